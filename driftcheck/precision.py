@@ -1,0 +1,334 @@
+"""Precision settings: what decides the rounding of a run, captured into every trace manifest.
+
+Two runs of correct code differ by what their settings allow: dtype, autocast, fp32 matmul
+precision (TF32 on CUDA, bf16 passes on TPU), fp8, thread count (reduction order), library
+versions. :func:`capture_settings` records them, :func:`diff_settings` says which differences can
+explain drift, and :func:`effective_matmul_roundoff` turns them into the unit roundoff the noise
+floor uses for a matmul-like op.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Any
+
+import torch
+
+from driftcheck import devices
+from driftcheck.errors import DriftcheckError
+
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+_ALIASES = {
+    "fp64": "float64", "double": "float64", "float64": "float64",
+    "fp32": "float32", "float": "float32", "float32": "float32",
+    "fp16": "float16", "half": "float16", "float16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+}
+# Unit roundoff u = 2^-p (p = significand bits incl. the implicit one); see DESIGN.md, Numerics.
+UNIT_ROUNDOFF = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "tf32": 2.0**-11,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+    "float8_e4m3fn": 2.0**-4,
+    "float8_e5m2": 2.0**-3,
+}
+FP8_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+# torch_tpu replaces the fp32 matmul: "medium" (its default) is one bf16 pass, "high" three
+# (bf16x3, ~16 significant bits), "highest" six (fp32-accurate).
+TPU_MATMUL_ROUNDOFF = {"medium": 2.0**-8, "default": 2.0**-8, "high": 2.0**-16, "highest": 2.0**-24}
+_ENV_NAMES = ("XLA_FLAGS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "NVIDIA_TF32_OVERRIDE",
+              "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS")
+_VERSION_PACKAGES = {"numpy": "numpy", "safetensors": "safetensors", "driftcheck": "driftcheck",
+                     "torch_tpu": "torch-tpu", "transformers": "transformers"}
+# Keys whose difference never changes a number (flattened, dotted).
+_NOT_NUMERIC = ("host.node", "device.index", "device.count", "matmul_precision_source")
+
+
+def dtype_name(dtype: "torch.dtype | str") -> str:
+    """``torch.bfloat16`` / ``"bf16"`` / ``"torch.bfloat16"`` -> ``"bfloat16"``.
+
+    Raises:
+        DriftcheckError: an unknown floating-point dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    if name in _ALIASES:
+        return _ALIASES[name]
+    if name in UNIT_ROUNDOFF and name != "tf32":
+        return name
+    raise DriftcheckError(
+        f"unknown dtype {dtype!r}: use float32, float64, bfloat16 or float16 (bf16, fp16, ...)"
+    )
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A dtype name or alias (``bf16``, ``fp32``, ``float16``) as a ``torch.dtype``."""
+    return getattr(torch, dtype_name(name))
+
+
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _amx_bf16() -> bool:
+    """Whether the CPU has AMX-BF16: only then does oneDNN's bf16 fp32-math mode round inputs.
+
+    Measured: on an avx512_bf16 CPU without AMX, ``set_float32_matmul_precision("medium")`` leaves
+    256x256 fp32 matmul errors at ~1e-5 (fp32 level), not the ~3e-2 bf16 inputs would give.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
+    except OSError:
+        return False
+
+
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                    "cuda": torch.version.cuda}
+    for key, dist in _VERSION_PACKAGES.items():
+        try:
+            found[key] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[key] = None
+    return found
+
+
+def _fp32_precision() -> dict[str, str]:
+    """The new-style per-backend fp32 precision settings (torch >= 2.9), where present."""
+    found: dict[str, str] = {}
+    for name in ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
+                 "mkldnn.conv", "mkldnn.rnn"):
+        node: Any = torch.backends
+        for part in filter(None, name.split(".")):
+            node = getattr(node, part, None)
+        value = getattr(node, "fp32_precision", None)
+        if isinstance(value, str):
+            found[name or "generic"] = value
+    return found
+
+
+def _matmul_precision() -> str:
+    # torch raises when the legacy flags (allow_tf32) and the new per-backend settings were both
+    # used and disagree; the per-backend values are captured separately in "fp32_precision".
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return "mixed"
+
+
+def _fp8_dict(fp8: Any) -> dict[str, Any] | None:
+    if fp8 is None:
+        return None
+    from driftcheck.fp8 import Fp8Recipe
+
+    recipe = fp8 if isinstance(fp8, Fp8Recipe) else Fp8Recipe.parse(str(fp8))
+    return recipe.to_dict()
+
+
+def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | None = None,
+                     fp8: Any = None, matmul_precision: str | None = None) -> dict[str, Any]:
+    """Everything that decides the rounding of a run on ``device``, as a JSON-able dict.
+
+    Args:
+        device: the device the run uses.
+        dtype: the dtype parameters and inputs are cast to.
+        autocast: the autocast dtype (``"bfloat16"``, ``"fp16"``), or None.
+        fp8: an :class:`driftcheck.fp8.Fp8Recipe`, its spec string (``"hybrid:delayed"``) or None.
+        matmul_precision: the fp32 matmul precision the run asked for, when the backend does not
+            report it through ``torch.get_float32_matmul_precision()`` (torch_tpu); else read.
+
+    Returns:
+        A nested dict: ``device`` (:func:`driftcheck.devices.describe`), ``dtype``, ``autocast``,
+        ``matmul_precision`` (``"mixed"`` when torch cannot name one), ``allow_tf32``,
+        ``fp32_precision``, ``deterministic``, ``threads``,
+        ``versions``, ``host``, ``env``, ``torch_tpu_loaded``, ``tpu_execution_mode``, ``fp8``.
+    """
+    env = {key: value for key, value in sorted(os.environ.items())
+           if key.startswith("TORCH_TPU_") or key in _ENV_NAMES}
+    tpu_mode = None
+    if device.type == "tpu":
+        fused = _truthy(os.environ.get("TORCH_TPU_DEFER_AND_FUSE"))
+        tpu_mode = "defer_and_fuse" if fused else "eager"
+    settings: dict[str, Any] = {
+        "device": devices.describe(device),
+        "dtype": dtype_name(dtype),
+        "autocast": dtype_name(autocast) if autocast else None,
+        "matmul_precision": matmul_precision or _matmul_precision(),
+        "matmul_precision_source": "requested" if matmul_precision else "torch",
+        "allow_tf32": {"cuda_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+                       "cudnn": bool(torch.backends.cudnn.allow_tf32)},
+        "fp32_precision": _fp32_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "threads": torch.get_num_threads(),
+        "versions": _versions(),
+        "host": {"node": platform.node(), "machine": platform.machine(),
+                 "system": platform.system(), "amx_bf16": _amx_bf16()},
+        "env": env,
+        "torch_tpu_loaded": devices.torch_tpu_loaded(),
+        "tpu_execution_mode": tpu_mode,
+        "fp8": _fp8_dict(fp8),
+    }
+    versions = settings["versions"]
+    versions["torch_tpu"] = versions["torch_tpu"] or devices.torch_tpu_version()
+    json.dumps(settings)  # fail here, not when the manifest is written
+    return settings
+
+
+def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None = None,
+                   deterministic: bool | None = None, threads: int | None = None,
+                   allow_tf32_cudnn: bool | None = None) -> dict[str, Any]:
+    """Set the precision knobs of this process for a run; None leaves a knob as it is.
+
+    Args:
+        matmul_precision: ``"highest"``, ``"high"`` or ``"medium"``
+            (``torch.set_float32_matmul_precision``).
+        allow_tf32: TF32 for CUDA matmuls, and for cuDNN convolutions unless ``allow_tf32_cudnn``
+            is given. Applied after ``matmul_precision`` so both hold (torch then reports the
+            generic precision as mixed, captured as ``"mixed"`` with the per-backend values).
+        deterministic: ``torch.use_deterministic_algorithms`` (sets ``CUBLAS_WORKSPACE_CONFIG``).
+        threads: ``torch.set_num_threads`` (the CPU reduction order depends on it).
+        allow_tf32_cudnn: TF32 for cuDNN convolutions alone.
+
+    Returns:
+        The previous values of the knobs that were set, so ``apply_settings(**previous)`` restores.
+
+    Raises:
+        DriftcheckError: an unknown matmul precision or a thread count below 1.
+    """
+    if matmul_precision is not None and matmul_precision not in MATMUL_PRECISIONS:
+        raise DriftcheckError(
+            f"unknown matmul precision {matmul_precision!r}: use highest, high or medium"
+        )
+    if threads is not None and threads < 1:
+        raise DriftcheckError(f"bad thread count {threads}: use 1 or more")
+    cudnn_tf32 = allow_tf32_cudnn if allow_tf32_cudnn is not None else allow_tf32
+    # Read everything first: setting the matmul precision also flips the TF32 flags.
+    previous: dict[str, Any] = {}
+    if matmul_precision is not None and _matmul_precision() in MATMUL_PRECISIONS:
+        previous["matmul_precision"] = _matmul_precision()
+    if allow_tf32 is not None:
+        previous["allow_tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    if cudnn_tf32 is not None:
+        previous["allow_tf32_cudnn"] = bool(torch.backends.cudnn.allow_tf32)
+    if deterministic is not None:
+        previous["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    if threads is not None:
+        previous["threads"] = torch.get_num_threads()
+
+    if matmul_precision is not None:
+        torch.set_float32_matmul_precision(matmul_precision)
+    if allow_tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    if cudnn_tf32 is not None:
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    if deterministic is not None:
+        if deterministic:
+            # cuBLAS is deterministic only with a fixed workspace; must be set before its first use.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(deterministic)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return previous
+
+
+def _fp32_roundoff(settings: dict[str, Any], op: str) -> float:
+    device = (settings.get("device") or {}).get("type", "cpu")
+    precision = settings.get("matmul_precision") or "highest"
+    fp32 = settings.get("fp32_precision") or {}
+    conv = op == "conv"
+    if device == "tpu":
+        # XLA's precision config covers dot and convolution alike.
+        return TPU_MATMUL_ROUNDOFF.get(precision, 2.0**-8)
+    if device == "cuda":
+        flags = settings.get("allow_tf32") or {}
+        if conv:
+            tf32 = flags.get("cudnn") or fp32.get("cudnn.conv") == "tf32"
+        else:
+            tf32 = (flags.get("cuda_matmul") or fp32.get("cuda.matmul") == "tf32"
+                    or precision in ("high", "medium"))
+        if tf32 and (settings.get("env") or {}).get("NVIDIA_TF32_OVERRIDE") != "0":
+            return UNIT_ROUNDOFF["tf32"]
+        return UNIT_ROUNDOFF["float32"]
+    if device == "cpu":
+        mode = fp32.get("mkldnn.conv" if conv else "mkldnn.matmul")
+        if mode in ("bf16", "tf32") and (settings.get("host") or {}).get("amx_bf16"):
+            return UNIT_ROUNDOFF["bfloat16" if mode == "bf16" else "tf32"]
+        return UNIT_ROUNDOFF["float32"]
+    # Other backends (mps, xpu, PrivateUse1): torch's documented meaning of the precision names.
+    return {"medium": 2.0**-8, "high": 2.0**-11}.get(precision, UNIT_ROUNDOFF["float32"])
+
+
+def effective_matmul_roundoff(settings: dict[str, Any], tensor_dtype: str, phase: str = "forward",
+                              op: str = "linear") -> float:
+    """The unit roundoff a matmul-like op of a run with ``settings`` effectively computes with.
+
+    Args:
+        settings: a dict from :func:`capture_settings` (missing keys mean torch defaults).
+        tensor_dtype: the dtype of the op's inputs (``"float32"``, ``"bf16"``, ...).
+        phase: ``"forward"`` or ``"backward"``/``"grads"``: the ``hybrid`` fp8 recipe uses e4m3
+            forward and e5m2 for gradients.
+        op: ``"linear"`` (nn.Linear: the fp8 recipe applies), ``"matmul"`` (other matmuls,
+            attention) or ``"conv"`` (cuDNN/oneDNN convolution flags apply instead of matmul ones).
+
+    Returns:
+        The largest roundoff among the op's dtype, the autocast dtype, the fp32 mode of the device
+        (TF32 2^-11 on CUDA; TPU medium 2^-8, high 2^-16, highest 2^-24) and the fp8 format.
+    """
+    if op not in ("linear", "matmul", "conv"):
+        raise ValueError(f"op must be linear, matmul or conv, not {op!r}")
+    name = dtype_name(tensor_dtype)
+    roundoff = UNIT_ROUNDOFF[name]
+    if name == "float32":
+        roundoff = max(roundoff, _fp32_roundoff(settings, op))
+    if settings.get("autocast") and name in ("float32", "float64"):
+        roundoff = max(roundoff, UNIT_ROUNDOFF[dtype_name(settings["autocast"])])
+    fp8 = settings.get("fp8")
+    if fp8 and op == "linear":
+        fmt = fp8.get("format", "e4m3")
+        if fmt == "hybrid":
+            fmt = "e4m3" if phase == "forward" else "e5m2"
+        roundoff = max(roundoff, FP8_ROUNDOFF[fmt])
+    return roundoff
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):  # an empty dict adds no key: absent and empty compare equal
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def explains_drift(key: str) -> bool:
+    """Whether a difference in the (dotted) setting ``key`` can change the numbers of a run.
+
+    Everything that selects kernels or rounding does (dtype, autocast, matmul precision, TF32, fp8,
+    device type and name, versions, env flags, and the thread count, which changes the order of
+    float reductions); the host name and the device index do not.
+    """
+    return not any(key == name or key.startswith(name + ".") for name in _NOT_NUMERIC)
+
+
+def diff_settings(ref: dict[str, Any], tgt: dict[str, Any]) -> list[tuple[str, Any, Any, bool]]:
+    """The settings that differ between two runs, sorted by dotted key.
+
+    Returns:
+        ``(key, reference value, target value, explains_drift)`` per differing leaf; a key absent on
+        one side has the value None there.
+    """
+    flat_ref, flat_tgt = _flatten(ref), _flatten(tgt)
+    rows = []
+    for key in sorted(set(flat_ref) | set(flat_tgt)):
+        a, b = flat_ref.get(key), flat_tgt.get(key)
+        if a != b:
+            rows.append((key, a, b, explains_drift(key)))
+    return rows

@@ -1,0 +1,61 @@
+"""Terminal output of a Report: one-line verdict, the first divergence, the worst entries, findings."""
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from driftcheck.report import Report
+
+
+def _ratio(r: float | None) -> str:
+    if r is None:
+        return "-"
+    if math.isinf(r):
+        return "inf"
+    return f"{r:.3g}"
+
+
+def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: bool = False) -> None:
+    """Print the report. ``quiet``: the verdict line only."""
+    ok = report.verdict == "pass"
+    style = "bold green" if ok else "bold red"
+    console.print(f"[{style}]{report.verdict.upper()}[/] {escape(report.decided_by)}", highlight=False,
+                  markup=True, soft_wrap=True)
+    if quiet:
+        return
+    ref, tgt = report.reference, report.target
+    console.print(f"reference: {ref.get('model_id')} on {ref.get('device')} {ref.get('dtype')}   "
+                  f"target: {tgt.get('device')} {tgt.get('dtype')}"
+                  + (f" fp8={tgt.get('fp8')}" if tgt.get("fp8") else ""), highlight=False, markup=False)
+    fd = report.first_divergence
+    if fd:
+        console.print(f"first divergence: [bold]{escape(fd['module'] or '(model)')}[/] step "
+                      f"{fd['step']} {fd['phase']} {escape(fd['slot'])} (ratio "
+                      f"{_ratio(fd.get('ratio'))}): {escape(fd.get('where', ''))}", highlight=False)
+    elif not ok:
+        console.print("first divergence: none (the gate failed on findings)", highlight=False)
+    table = Table(title=f"worst {top} entries (ratio = error / noise floor, limit {report.limit:g})",
+                  title_justify="left")
+    for col in ("key", "ratio", "rel_l2", "max_abs", "max_ulp", "status"):
+        table.add_column(col, justify="left" if col == "key" else "right", overflow="fold")
+    for e in report.worst(top):
+        m = e.metrics
+        table.add_row(e.key, _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")),
+                      _g(m.get("max_ulp")), e.status)
+    console.print(table)
+    for f in report.findings:
+        color = "red" if f.severity == "error" else "yellow"
+        console.print(f"[{color}]{escape(f.kind)}[/] {escape(f.module or '(model)')}"
+                      + (f" step {f.step}" if f.step is not None else "") + f": {escape(f.message)}",
+                      highlight=False, soft_wrap=True)
+    for w in report.warnings:
+        console.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
+
+
+def _g(x: object) -> str:
+    if isinstance(x, (int, float)):
+        return "inf" if isinstance(x, float) and math.isinf(x) else f"{x:.3g}"
+    return "-" if x is None else str(x)

@@ -1,0 +1,304 @@
+"""record(): run a Scenario for N training steps under the tracer, on one device and dtype.
+
+The reference writes ``replay.safetensors`` (initial parameters and buffers, every step's inputs,
+the seed of the CPU-generated dropout masks); a target started with ``replay=REF_DIR`` loads
+exactly those, casts them to its dtype and moves them to its device.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from driftcheck import __version__
+from driftcheck.errors import DriftcheckError
+from driftcheck.rng import DropoutControl
+from driftcheck.scenario import Scenario, call_model
+from driftcheck.store import TraceWriter, read_replay
+from driftcheck.tracer import Tracer
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp64": torch.float64, "float64": torch.float64}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except (KeyError, AttributeError):
+        raise DriftcheckError(f"unsupported --dtype {name!r}: choose fp32, bf16, fp16 or fp64") from None
+
+
+# -- inputs: structure <-> flat tensors -----------------------------------------------------------
+def encode_batch(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON description of a batch; its tensors go into ``tensors`` under ``prefix``."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach()
+        return {"t": "tensor", "name": prefix}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise DriftcheckError("Scenario inputs: dict keys must be strings (keyword arguments)")
+        return {"t": "dict", "items": {k: encode_batch(v, f"{prefix}.{k}", tensors) for k, v in obj.items()}}
+    if isinstance(obj, (tuple, list)):
+        return {"t": type(obj).__name__,
+                "items": [encode_batch(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"t": "value", "v": obj}
+    raise DriftcheckError(f"Scenario inputs contain a {type(obj).__name__} at {prefix}; inputs may "
+                          "hold tensors, tuples, lists, dicts, numbers, strings and None")
+
+
+def decode_batch(desc: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    t = desc.get("t") if isinstance(desc, dict) else None
+    if t == "tensor":
+        name = desc.get("name")
+        if name not in tensors:
+            raise DriftcheckError(f"replay file lacks input tensor {name!r}; re-record the reference")
+        return tensors[name]
+    if t == "dict":
+        return {k: decode_batch(v, tensors) for k, v in desc["items"].items()}
+    if t in ("tuple", "list"):
+        items = [decode_batch(v, tensors) for v in desc["items"]]
+        return tuple(items) if t == "tuple" else items
+    if t == "value":
+        return desc.get("v")
+    raise DriftcheckError("replay file has a malformed input description; re-record the reference")
+
+
+def cast_batch(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Move tensors to ``device``; floating tensors are cast to ``dtype`` (ints/bools kept)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            return obj.to(device=device, dtype=dtype)
+        return obj.to(device=device)
+    if isinstance(obj, dict):
+        return {k: cast_batch(v, device, dtype) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(cast_batch(v, device, dtype) for v in obj)
+    if isinstance(obj, list):
+        return [cast_batch(v, device, dtype) for v in obj]
+    return obj
+
+
+# -- metadata -------------------------------------------------------------------------------------
+def run_metadata(*, model: nn.Module, device: torch.device, mode: str, steps: int,
+                 **extra: Any) -> dict[str, Any]:
+    """Run metadata for the manifest: who, where, with which versions and settings."""
+    params = sum(p.numel() for p in model.parameters())
+    meta: dict[str, Any] = {
+        "run_id": uuid.uuid4().hex,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "driftcheck": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "machine": platform.machine(),
+        "device": str(device),
+        "device_type": device.type,
+        "mode": mode,
+        "steps": steps,
+        "parameters": params,
+        "model_class": type(model).__name__,
+        "rank": int(os.environ.get("RANK", 0)),
+        "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+    }
+    try:
+        from driftcheck import precision
+
+        meta["precision"] = precision.capture_settings(device, extra.get("dtype_obj", torch.float32),
+                                                       autocast=extra.get("autocast"),
+                                                       fp8=extra.get("fp8"))
+    except ImportError:
+        meta["precision"] = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+                             "threads": torch.get_num_threads()}
+    extra.pop("dtype_obj", None)
+    meta.update(extra)
+    return meta
+
+
+# -- record ---------------------------------------------------------------------------------------
+def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device | str = "cpu",
+           dtype: str = "fp32", steps: int | None = None, seed: int = 0,
+           replay: str | os.PathLike | None = None, mode: str = "full", force: bool = False,
+           model_id: str | None = None, include: Iterable[str] | None = None,
+           exclude: Iterable[str] | None = None, full_modules: Iterable[str] | None = None,
+           phases: Iterable[str] | None = None, capture_steps: Iterable[int] | None = None,
+           transfer: str = "batched", autocast: str | None = None, fp8: str | None = None,
+           local: bool = False, view_audit: bool = False,
+           on_step: Callable[[int, int], None] | None = None,
+           target_hooks: Callable[[nn.Module], Any] | None = None) -> Path:
+    """Record ``scenario`` into the trace directory ``out``; returns its path.
+
+    Args:
+        scenario: what to run (CPU, float32, as built).
+        out: the trace directory to create (``force`` to overwrite).
+        device: where to run. dtype: "fp32", "bf16", "fp16" or "fp64".
+        steps: training steps (default: the scenario's). seed: CPU RNG seed (dropout masks).
+        replay: a reference trace whose initial weights and inputs this run starts from.
+        mode, include, exclude, full_modules, phases, capture_steps, transfer: see Tracer.
+        autocast: "bf16"/"fp16" to run the forward under torch.autocast.
+        fp8: "e4m3", "e5m2" or "hybrid": Linear matmuls through emulated fp8.
+        target_hooks: called with the model after it is placed, before recording (fault
+            injection in tests and benchmarks).
+    """
+    device = torch.device(device)
+    tdtype = parse_dtype(dtype)
+    n_steps = int(steps if steps is not None else scenario.steps)
+    if n_steps < 1:
+        raise DriftcheckError(f"--steps must be at least 1, got {n_steps}")
+    model = scenario.model
+    if not any(True for _ in model.parameters()) and not any(True for _ in model.buffers()):
+        if scenario.loss is not None:
+            raise DriftcheckError(f"model {model_id or scenario.name} has no parameters: nothing to "
+                                  "train; drop the loss for an inference-only record")
+    torch.manual_seed(seed)
+
+    replay_tensors: dict[str, torch.Tensor] = {}
+    if replay is not None:
+        tensors, meta = read_replay(replay)
+        _load_replay_state(model, tensors, replay)
+        all_batches = [decode_batch(d, tensors) for d in meta.get("inputs", [])]
+        if steps is None:
+            n_steps = len(all_batches)  # a replayed target runs the reference's steps
+        batches = all_batches[:n_steps]
+        if len(batches) < n_steps:
+            raise DriftcheckError(f"--replay {replay} holds {len(batches)} step(s) of inputs but "
+                                  f"{n_steps} were asked for; use --steps {len(batches)} or "
+                                  "re-record the reference with more steps")
+        replay_id = meta.get("replay_id")
+        seed = int(meta.get("seed", seed))
+        torch.manual_seed(seed)
+    else:
+        batches = [scenario.batch(i) for i in range(n_steps)]
+        replay_id = uuid.uuid4().hex
+        descs = [encode_batch(b, f"input/{i}", replay_tensors) for i, b in enumerate(batches)]
+        for name, t in model.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.Tensor):
+                kind = "param" if isinstance(t, nn.Parameter) else "buffer"
+                replay_tensors[f"{kind}/{name}"] = t.detach()
+        replay_meta = {"format": "driftcheck.replay", "version": 1, "replay_id": replay_id,
+                       "seed": seed, "steps": n_steps, "inputs": descs, "model": model_id,
+                       "randomness": "dropout masks drawn on CPU from (seed, step, call index)"}
+
+    model.to(device=device)
+    if tdtype != torch.float32:
+        model.to(dtype=tdtype)
+    fp8_handle = None
+    if fp8:
+        from driftcheck import fp8 as fp8_mod
+
+        fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(fp8))
+    if target_hooks is not None:
+        target_hooks(model)
+    optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
+    sel_phases = set(phases or ("forward", "backward", "grads", "optimizer"))
+    if scenario.loss is None:
+        sel_phases &= {"forward"}
+    elif optimizer is None:
+        sel_phases -= {"optimizer"}
+
+    dropout = DropoutControl(seed)
+    with TraceWriter(out, force=force) as writer:
+        if replay is None:
+            writer.write_replay(replay_tensors, replay_meta)
+        tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, include=include,
+                        exclude=exclude, full_modules=full_modules, phases=sel_phases,
+                        steps=capture_steps, transfer=transfer, seed=seed,
+                        view_audit=view_audit)
+        tracer.attach()
+        try:
+            tracer.fp8_stats = []
+            train(model, batches, scenario, optimizer, device=device, dtype=tdtype,
+                  dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
+                  on_step=on_step, model_id=model_id)
+        finally:
+            tracer._active = False
+            tracer.detach()
+            if fp8_handle is not None:
+                fp8_handle.remove()
+        run = run_metadata(model=model, device=device, mode=mode, steps=n_steps,
+                           dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
+                           seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
+                           replay_id=replay_id, replay_of=str(replay) if replay else None,
+                           autocast=autocast, fp8=fp8,
+                           capture={"include": list(include or []), "exclude": list(exclude or []),
+                                    "phases": sorted(sel_phases), "transfer": transfer})
+        extra: dict[str, Any] = {"findings": tracer.findings}
+        if getattr(tracer, "fp8_stats", None):
+            extra["fp8"] = tracer.fp8_stats
+        if tracer.events:
+            extra["view_events"] = tracer.events
+        writer.close(run, extra=extra)
+    return Path(out)
+
+
+def train(model: nn.Module, batches: list[Any], scenario: Scenario,
+          optimizer: torch.optim.Optimizer | None, *, device: torch.device, dtype: torch.dtype,
+          dropout: DropoutControl, autocast: str | None = None, tracer: Tracer | None = None,
+          fp8_handle: Any = None, on_step: Callable[[int, int], None] | None = None,
+          model_id: str | None = None) -> list[dict[str, Any]]:
+    """The training loop of a record, traced or not (the same code: tracing must not change
+    the numbers). Returns per step the loss and output (detached) for tests."""
+    results = []
+    for step, raw in enumerate(batches):
+        dropout.set_step(step)
+        batch = cast_batch(raw, device, dtype)
+        with dropout, _autocast(device, autocast):
+            output = call_model(model, batch)
+            loss = scenario.loss(output, batch) if scenario.loss else None
+        if loss is not None:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise DriftcheckError(f"{model_id or scenario.name}: loss(output, batch) must return "
+                                      f"a scalar tensor, got {type(loss).__name__}")
+            if tracer is not None:
+                tracer.record_loss(loss)
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        if tracer is not None:
+            tracer.step()
+        if fp8_handle is not None and tracer is not None:
+            tracer.fp8_stats += [dict(s, step=step) for s in fp8_handle.stats()]
+            fp8_handle.reset()
+        results.append({"loss": None if loss is None else loss.detach().clone(),
+                        "output": output})
+        if on_step is not None:
+            on_step(step + 1, len(batches))
+    return results
+
+
+def _autocast(device: torch.device, autocast: str | None):
+    import contextlib
+
+    if not autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=parse_dtype(autocast))
+
+
+def _load_replay_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Any) -> None:
+    state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(("param/", "buffer/"))}
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise DriftcheckError(
+            f"--replay {replay} was recorded from a different model: "
+            f"{len(missing)} tensor(s) missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:3]}); record the target with the same MODEL as the reference")
+    bad = [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
+    if bad:
+        raise DriftcheckError(f"--replay {replay}: shapes differ for {bad[:3]}; the reference was "
+                              "recorded from a different model configuration")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])

@@ -1,0 +1,573 @@
+"""The tracer: hooks that capture every activation, gradient and state tensor of a training step.
+
+How each phase is captured (no ``register_full_backward_hook``: it raises when a module's output
+is later modified in place, as BatchNorm followed by ``ReLU(inplace=True)`` is in every ResNet):
+- forward: a pre-hook copies the inputs, a hook copies the outputs (copies at hook time, so a
+  later in-place op cannot change what was recorded);
+- backward: a tensor hook on each output gives the gradient w.r.t. that output; the gradient
+  w.r.t. each input is read off the autograd edges that leave the module's own subgraph (nodes
+  created during the call, found by sequence number) through node post-hooks, so it is this
+  module's contribution alone and in-place ops inside the module are fine;
+- params/buffers before the step, parameter gradients (post-accumulate hooks), parameters,
+  buffers and optimizer state after the optimizer step, and the loss.
+Hooks only copy: the computation, RNG streams and autograd graph are left as they were, so
+traced and untraced runs are bitwise equal.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+import zlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from driftcheck import format as fmt
+from driftcheck import stats as tstats
+from driftcheck.store import TraceWriter
+
+SAMPLE_SIZE = 512  # elements kept per tensor in stats mode, at the same indices on both runs
+
+
+# -- nested structures -----------------------------------------------------------------------
+def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(slot, tensor) for every tensor inside nested tuples/lists/dicts/ModelOutputs."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict) or _is_model_output(obj):
+        for k, v in obj.items():
+            yield from flatten(v, f"{prefix}.{k}")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from flatten(v, f"{prefix}.{i}")
+    elif hasattr(obj, "to_legacy_cache") or hasattr(obj, "layers") and hasattr(obj, "get_seq_length"):
+        # Hugging Face Cache objects: keys/values per layer.
+        layers = getattr(obj, "layers", None)
+        if isinstance(layers, (list, tuple)):
+            for i, layer in enumerate(layers):
+                for name in ("keys", "values"):
+                    v = getattr(layer, name, None)
+                    if isinstance(v, torch.Tensor):
+                        yield f"{prefix}.{i}.{name}", v
+
+
+def _is_model_output(obj: Any) -> bool:
+    # transformers.utils.ModelOutput is an OrderedDict subclass; stay import-free.
+    return hasattr(obj, "to_tuple") and hasattr(obj, "items")
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _module_kind(m: nn.Module) -> tuple[str, int | None]:
+    """A coarse op kind and reduction length for the noise floor."""
+    if isinstance(m, nn.Linear):
+        return "linear", m.in_features
+    if isinstance(m, nn.modules.conv._ConvNd):
+        return "conv", (m.in_channels // m.groups) * math.prod(m.kernel_size)
+    if isinstance(m, nn.Embedding):
+        return "embedding", None
+    if isinstance(m, (nn.LayerNorm, nn.GroupNorm)) or type(m).__name__.lower().endswith("rmsnorm"):
+        return "norm", None
+    if isinstance(m, nn.modules.batchnorm._NormBase):
+        return "batchnorm", None
+    if not any(True for _ in m.children()):
+        return "elementwise", None
+    return "composite", None
+
+
+def _magnitude_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """mean over output elements of sum_i x_i^2 w_i^2: the squared rms of sqrt(|x|^2 @ |W|^2).
+
+    The probabilistic scale of a dot product's rounding error (Higham & Mary 2019) is
+    u * sqrt(sum_i (x_i w_i)^2); computed from column sums, it costs O(input + weight).
+    """
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.Tensor) or not isinstance(x, torch.Tensor) or not _floating(x):
+        return None
+    acc = torch.float64 if x.device.type in ("cpu", "cuda") else torch.float32
+    with torch.no_grad():
+        if isinstance(m, nn.Linear) and x.shape[-1] == w.shape[1]:
+            sx = x.detach().to(acc).pow(2).reshape(-1, w.shape[1]).sum(0)  # (K,)
+            sw = w.detach().to(acc).pow(2).sum(0)  # (K,)
+            rows = max(x.numel() // w.shape[1], 1)
+            return (sx * sw).sum() / (rows * w.shape[0])
+        if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
+            g = m.groups
+            dims = [0] + list(range(2, x.dim()))
+            ex = x.detach().to(acc).pow(2).mean(dim=dims).reshape(g, -1)  # (g, C/g)
+            wsq = w.detach().to(acc).pow(2).reshape(w.shape[0], w.shape[1], -1).sum(-1)
+            wsq = wsq.reshape(g, w.shape[0] // g, w.shape[1])  # (g, O/g, C/g)
+            return (wsq * ex[:, None, :]).sum() / w.shape[0]
+    return None
+
+
+class _Pending:
+    __slots__ = ("entry", "tensor", "dev_meta")
+
+    def __init__(self, entry: dict[str, Any], tensor: torch.Tensor,
+                 dev_meta: dict[str, torch.Tensor] | None) -> None:
+        self.entry = entry
+        self.tensor = tensor
+        self.dev_meta = dev_meta
+
+
+class Tracer:
+    """Captures one model's training steps into a TraceWriter.
+
+    Args:
+        model: the module to trace (hooks go on every submodule).
+        writer: where captures go.
+        mode: "full" (tensors), "stats" (statistics + a seeded sample), "auto" (stats, full
+            tensors for modules matching ``full_modules``).
+        optimizer: if given, parameters/state after its ``step()`` are captured right then.
+        include / exclude: module path globs selecting what is captured (params follow their
+            owning module).
+        phases: subset of ("forward", "backward", "grads", "optimizer").
+        steps: step indices to capture (None = all).
+        transfer: "batched" (one device-to-host transfer per step) or "per-capture".
+        seed: seeds the stats-mode sample indices (same on both runs).
+        audits: run the BatchNorm running-stat audit.
+    """
+
+    def __init__(self, model: nn.Module, writer: TraceWriter, *, mode: str = "full",
+                 optimizer: torch.optim.Optimizer | None = None,
+                 include: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
+                 full_modules: Iterable[str] | None = None,
+                 phases: Iterable[str] | None = None, steps: Iterable[int] | None = None,
+                 transfer: str = "batched", seed: int = 0, audits: bool = True,
+                 view_audit: bool = False, max_pending_bytes: int = 1 << 30) -> None:
+        if mode not in fmt.MODES:
+            raise ValueError(f"mode must be one of {fmt.MODES}, not {mode!r}")
+        self.model = model
+        self.writer = writer
+        self.mode = mode
+        self.include = list(include or [])
+        self.exclude = list(exclude or [])
+        self.full_modules = list(full_modules or [])
+        self.phases = set(phases or fmt.SELECTABLE_PHASES)
+        self.steps = None if steps is None else set(steps)
+        self.transfer = transfer
+        self.seed = seed
+        self.audits = audits
+        self.view_audit = view_audit
+        self.max_pending_bytes = max_pending_bytes
+        self.optimizer = optimizer
+        self.names = {m: n for n, m in model.named_modules()}
+        self.param_owner = {}
+        for name, p in model.named_parameters():
+            mod, _, leaf = name.rpartition(".")
+            self.param_owner[id(p)] = (mod, leaf, p)
+        self.step_index = 0
+        self.findings: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._handles: list[Any] = []
+        self._node_handles: list[Any] = []
+        self._pending: list[_Pending] = []
+        self._pending_bytes = 0
+        self._active = False
+        self._reset_step()
+        self._select_cache: dict[str, bool] = {}
+
+    # -- selection ---------------------------------------------------------------------------
+    def _selected(self, module: str) -> bool:
+        hit = self._select_cache.get(module)
+        if hit is None:
+            hit = (not self.include or any(fnmatch.fnmatchcase(module, g) for g in self.include)) \
+                and not any(fnmatch.fnmatchcase(module, g) for g in self.exclude)
+            self._select_cache[module] = hit
+        return hit
+
+    def _capturing(self, phase: str) -> bool:
+        if self.steps is not None and self.step_index not in self.steps:
+            return False
+        sel = {"params": "forward", "loss": "forward"}.get(phase, phase)
+        if phase == "params":
+            return bool(self.phases & {"forward", "optimizer"})
+        return sel in self.phases
+
+    def _full(self, module: str) -> bool:
+        if self.mode == "full":
+            return True
+        if self.mode == "auto":
+            return any(fnmatch.fnmatchcase(module, g) for g in self.full_modules)
+        return False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def attach(self) -> "Tracer":
+        for module, name in self.names.items():
+            self._handles.append(module.register_forward_pre_hook(
+                self._make_pre_hook(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                self._make_post_hook(name), with_kwargs=True))
+        for _, (mod, leaf, p) in self.param_owner.items():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self._capture_after_update()))
+        self._active = True
+        self._capture_state("params")
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles + self._node_handles:
+            h.remove()
+        self._handles.clear()
+        self._node_handles.clear()
+        self._active = False
+
+    def _reset_step(self) -> None:
+        self._order = 0
+        self._calls: dict[str, int] = {}
+        self._stack: list[tuple[str, int]] = []
+        self._grads: dict[int, torch.Tensor] = {}
+        self._updated = False
+        self._bn_before: dict[tuple[str, int], Any] = {}
+        self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
+        self._start_seq: dict[tuple[str, int], int] = {}
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Capture the step's loss (phase ``loss``)."""
+        if self._capturing("loss") and isinstance(loss, torch.Tensor):
+            self._capture("", "loss", 0, "loss", loss)
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """End the current step: capture what is left, write it out, start the next step."""
+        if loss is not None:
+            self.record_loss(loss)
+        if self._capturing("grads"):
+            for pid, g in self._grads.items():
+                mod, leaf, _ = self.param_owner[pid]
+                if self._selected(mod):
+                    self._capture(mod, "grads", 0, f"param.{leaf}", g, copy=False)
+        if not self._updated:
+            self._capture_after_update()
+        self.flush()
+        for h in self._node_handles:
+            h.remove()
+        self._node_handles.clear()
+        self.step_index += 1
+        self._reset_step()
+        if self._active:
+            self._capture_state("params")
+
+    # -- state captures ------------------------------------------------------------------------
+    def _capture_state(self, phase: str) -> None:
+        if not self._capturing(phase):
+            return
+        for mod_name, module in self.model.named_modules():
+            if not self._selected(mod_name):
+                continue
+            for leaf, p in module.named_parameters(recurse=False):
+                if self.param_owner.get(id(p), (mod_name,))[0] == mod_name:
+                    self._capture(mod_name, phase, 0, f"param.{leaf}", p)
+            for leaf, b in module.named_buffers(recurse=False):
+                if b is not None:
+                    self._capture(mod_name, phase, 0, f"buffer.{leaf}", b)
+
+    def _capture_after_update(self) -> None:
+        if self._updated:
+            return
+        self._updated = True
+        if not self._capturing("optimizer"):
+            return
+        self._capture_state("optimizer")
+        if self.optimizer is None:
+            return
+        for p, state in self.optimizer.state.items():
+            owner = self.param_owner.get(id(p))
+            if owner is None or not self._selected(owner[0]):
+                continue
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    self._capture(owner[0], "optimizer", 0, f"state.{owner[1]}.{k}", v)
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._grads[id(p)] = p.grad.detach().clone()
+
+    # -- forward / backward hooks -------------------------------------------------------------
+    def _make_pre_hook(self, name: str) -> Callable:
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            parent = self._stack[-1] if self._stack else None
+            self._stack.append((name, call))
+            if not self._selected(name):
+                return
+            ctx = {"parent": f"{parent[0]}#{parent[1]}" if parent else None,
+                   "call_start": self._order}
+            inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+            if self._capturing("forward"):
+                for slot, t in inputs:
+                    self._capture(name, "forward", call, slot, t, extra=ctx)
+            if self.audits:
+                from driftcheck.audit import batchnorm as bn_audit
+                if bn_audit.is_tracked_norm(module) and inputs:
+                    self._bn_before[(name, call)] = (bn_audit.snapshot(module), inputs[0][1].detach().clone())
+            if self._capturing("backward") and torch.is_grad_enabled():
+                # Remember each input's autograd node now: an in-place op inside the module
+                # (ReLU(inplace=True)) replaces the tensor's grad_fn during the call.
+                grad_inputs = [(s, t, t.grad_fn, t.output_nr) for s, t in inputs
+                               if t.requires_grad and _floating(t)]
+                if grad_inputs:
+                    self._call_inputs[(name, call)] = grad_inputs
+                    # Nodes created from here on belong to this call: mark the sequence number.
+                    probe = torch.zeros((), requires_grad=True) * 1.0
+                    self._start_seq[(name, call)] = probe.grad_fn._sequence_nr()
+        return pre_hook
+
+    def _make_post_hook(self, name: str) -> Callable:
+        def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            name_, call = self._stack.pop() if self._stack else (name, 0)
+            if not self._selected(name):
+                return
+            parent = self._stack[-1] if self._stack else None
+            kind, k = _module_kind(module)
+            ctx: dict[str, Any] = {"parent": f"{parent[0]}#{parent[1]}" if parent else None,
+                                   "module_type": type(module).__name__, "kind": kind}
+            if k is not None:
+                ctx["k"] = k
+            outputs = list(flatten(output, "output"))
+            dev_meta = None
+            if kind in ("linear", "conv") and args and isinstance(args[0], torch.Tensor):
+                mag = _magnitude_sq(module, args[0])
+                if mag is not None:
+                    dev_meta = {"mag_sq": mag}
+            if self._capturing("forward"):
+                for i, (slot, t) in enumerate(outputs):
+                    self._capture(name, "forward", call, slot, t, extra=ctx,
+                                  dev_meta=dev_meta if i == 0 else None)
+            if (name, call) in self._bn_before:
+                from driftcheck.audit import batchnorm as bn_audit
+                before, x = self._bn_before.pop((name, call))
+                for f in bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
+                                             module.training, self.step_index, call):
+                    self.findings.append(f.to_dict())
+            if self._capturing("backward") and torch.is_grad_enabled():
+                self._hook_backward(name, call, outputs, ctx)
+        return post_hook
+
+    def _hook_backward(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]],
+                       ctx: dict[str, Any]) -> None:
+        bctx = {"parent": ctx["parent"], "module_type": ctx["module_type"], "kind": ctx["kind"]}
+        for slot, t in outputs:
+            if t.requires_grad and _floating(t) and t.grad_fn is not None:
+                gslot = "grad_" + slot
+                t.register_hook(self._make_grad_output_hook(name, call, gslot, bctx))
+        inputs = self._call_inputs.pop((name, call), None)
+        start = self._start_seq.pop((name, call), None)
+        if not inputs or start is None:
+            return
+        # Targets: the autograd node (and output index) of each input tensor.
+        targets: dict[tuple[int, int], str] = {}
+        for slot, t, node, nr in inputs:
+            if node is not None:
+                targets[(id(node), nr)] = slot
+        leaf_targets = {id(t): slot for slot, t, node, _ in inputs if node is None}
+        # Walk the nodes created during this call; collect edges into the inputs' nodes.
+        edges: dict[str, list[tuple[Any, int]]] = {}
+        seen: set[int] = set()
+        stack = [t.grad_fn for _, t in outputs if t.requires_grad and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            seq = node._sequence_nr()
+            if seq < start or seq == 2**64 - 1:
+                continue
+            for i, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                slot = targets.get((id(nxt), nr))
+                if slot is None and type(nxt).__name__ == "AccumulateGrad" and leaf_targets:
+                    slot = leaf_targets.get(id(getattr(nxt, "variable", None)))
+                if slot is not None:
+                    edges.setdefault(slot, []).append((node, i))
+                else:
+                    stack.append(nxt)
+        for slot, edge_list in edges.items():
+            acc = _GradAccumulator(self, name, call, "grad_" + slot, len(edge_list), bctx)
+            by_node: dict[int, list[int]] = {}
+            nodes: dict[int, Any] = {}
+            for node, i in edge_list:
+                by_node.setdefault(id(node), []).append(i)
+                nodes[id(node)] = node
+            for nid, idxs in by_node.items():
+                self._node_handles.append(nodes[nid].register_hook(acc.node_hook(idxs)))
+
+    def _make_grad_output_hook(self, name: str, call: int, slot: str,
+                               ctx: dict[str, Any]) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if self._active and grad is not None:
+                self._capture(name, "backward", call, slot, grad, extra=ctx)
+        return hook
+
+    # -- the capture itself ---------------------------------------------------------------------
+    def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
+                 extra: dict[str, Any] | None = None, copy: bool = True,
+                 dev_meta: dict[str, torch.Tensor] | None = None) -> None:
+        key = fmt.Key(self.step_index, phase, module, call, slot)
+        skey = str(key)
+        if skey in self._keys_this_step():
+            return  # the same tensor reached twice (e.g. an output hook fired twice)
+        entry: dict[str, Any] = {
+            "key": skey, "module": module, "phase": phase, "step": self.step_index,
+            "call": call, "slot": slot, "order": self._order, "shape": list(t.shape),
+            "dtype": _dtype_name(t), "stats": {},
+        }
+        if extra:
+            entry["meta"] = dict(extra)
+        self._order += 1
+        with torch.no_grad():
+            data = t.detach()
+            if copy:
+                data = data.clone()  # copy at hook time: later in-place ops must not leak in
+        self._pending.append(_Pending(entry, data, dev_meta))
+        self._pending_bytes += data.numel() * data.element_size()
+        self._seen_keys.add(skey)
+        if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes:
+            self.flush()
+
+    def _keys_this_step(self) -> set[str]:
+        if getattr(self, "_seen_step", None) != self.step_index:
+            self._seen_step = self.step_index
+            self._seen_keys: set[str] = set()
+        return self._seen_keys
+
+    def flush(self) -> None:
+        """Move pending captures to the host in one batched transfer and hand them to the writer."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        with torch.no_grad():
+            stat_rows = torch.stack([tstats.stats_vector(p.tensor) for p in pending])
+            metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
+                     for k, v in p.dev_meta.items()]
+            meta_vals = torch.stack([v.to(stat_rows.dtype) for _, _, v in metas]) if metas else None
+            samples: list[torch.Tensor | None] = []
+            fulls: list[bool] = []
+            for p in pending:
+                full = self._full(p.entry["module"]) or p.entry["phase"] == "loss"
+                fulls.append(full)
+                samples.append(None if full else _sample(p.tensor, p.entry["key"], self.seed))
+            host_tensors = _to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
+            stat_rows = stat_rows.cpu().tolist()
+            meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
+        for (i, k, _), v in zip(metas, meta_host):
+            if k == "mag_sq":
+                pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v, 0.0))
+            else:
+                pending[i].entry.setdefault("meta", {})[k] = v
+        for p, row, full, host in zip(pending, stat_rows, fulls, host_tensors):
+            p.entry["stats"] = tstats.to_dict(row)
+            if full:
+                self.writer.add(p.entry, host)
+            else:
+                self.writer.add(p.entry, None, sample=host)
+
+
+class _GradAccumulator:
+    """Sums the gradient reaching one module input over all edges leaving the module."""
+
+    def __init__(self, tracer: Tracer, name: str, call: int, slot: str, n_edges: int,
+                 ctx: dict[str, Any]) -> None:
+        self.tracer, self.name, self.call, self.slot = tracer, name, call, slot
+        self.remaining = n_edges
+        self.total: torch.Tensor | None = None
+        self.ctx = ctx
+
+    def node_hook(self, idxs: list[int]) -> Callable:
+        def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+            for i in idxs:
+                g = grad_inputs[i] if i < len(grad_inputs) else None
+                if g is not None:
+                    g = g.detach()
+                    self.total = g.clone() if self.total is None else self.total + g
+                self.remaining -= 1
+            if self.remaining == 0 and self.total is not None and self.tracer._active:
+                self.tracer._capture(self.name, "backward", self.call, self.slot, self.total,
+                                     extra=self.ctx, copy=False)
+        return hook
+
+
+def _sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
+    """Elements at indices that depend only on (key, numel, seed): the same on both runs."""
+    n = t.numel()
+    flat = t.reshape(-1)
+    if n <= SAMPLE_SIZE:
+        return flat.clone()
+    # Keys carry the step, so steps sample different places; the phase/module/slot too.
+    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) ^ (seed * 2654435761)) & (2**63 - 1))
+    idx = torch.randint(0, n, (SAMPLE_SIZE,), generator=g).sort().values
+    return flat[idx.to(t.device)]
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One device-to-host transfer per dtype for all tensors (none on CPU)."""
+    if not tensors or all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idxs in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idxs]).cpu()
+        offset = 0
+        for i in idxs:
+            n = tensors[i].numel()
+            out[i] = flat[offset:offset + n].reshape(tensors[i].shape).clone()
+            offset += n
+    return out  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def trace(model: nn.Module, out: str, *, mode: str = "full",
+          optimizer: torch.optim.Optimizer | None = None, force: bool = False,
+          run: dict[str, Any] | None = None, **kwargs: Any) -> Iterator[Tracer]:
+    """Record a model you drive yourself.
+
+    Args:
+        model: the module to trace.
+        out: the trace directory to create.
+        mode: "full", "stats" or "auto".
+        optimizer: optional; parameters and optimizer state are captured after its step().
+        force: overwrite an existing trace directory.
+        run: extra run metadata for the manifest.
+        **kwargs: passed to :class:`Tracer` (include, exclude, phases, steps, transfer, seed).
+
+    Example:
+        >>> with driftcheck.trace(model, out="trace", optimizer=opt) as t:
+        ...     for batch in batches:
+        ...         loss = loss_fn(model(batch)); loss.backward(); opt.step(); opt.zero_grad()
+        ...         t.step(loss)
+    """
+    from driftcheck.runner import run_metadata
+
+    with TraceWriter(out, force=force) as writer:
+        tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, **kwargs).attach()
+        try:
+            yield tracer
+        finally:
+            tracer._active = False
+            tracer.detach()
+        tracer.flush()
+        meta = run_metadata(model=model, device=_model_device(model), mode=mode,
+                            steps=tracer.step_index)
+        meta.update(run or {})
+        writer.close(meta, extra={"findings": tracer.findings})
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
