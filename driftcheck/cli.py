@@ -129,12 +129,15 @@ def models(obj: _Ctx) -> None:
 @click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
               help="Emulated fp8 training of Linear layers (torch._scaled_mm).")
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
+@click.option("--local", "local", type=click.Path(), default=None,
+              help="Also rerun every leaf module on this reference's inputs (use with --replay REF): "
+                   "compare then separates each module's own error from what it inherits.")
 @click.pass_obj
 def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, fp8: str | None,
-           view_audit: bool) -> None:
+           view_audit: bool, local: str | None) -> None:
     """Record MODEL's training steps into a trace directory.
 
     MODEL is a built-in name (driftcheck models), hf:<family>, hf:PATH,
@@ -168,7 +171,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
                   replay=replay, mode=mode, force=force, model_id=model, include=include,
                   exclude=exclude, full_modules=full_modules, phases=_phases(phases),
                   capture_steps=_ranges(capture_steps), transfer=transfer, autocast=autocast,
-                  fp8=fp8, view_audit=view_audit,
+                  fp8=fp8, view_audit=view_audit, local=local,
                   on_step=lambda i, n: p.update(task, completed=i, total=n))
     if not obj.quiet:
         from driftcheck.store import TraceReader
@@ -405,6 +408,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130)
     except MemoryError:
         click.echo("driftcheck: out of memory", err=True)
+        raise SystemExit(EXIT_BAD_INPUT)
+    except OSError as e:  # the disk is full, read-only or gone: the user's environment, not a bug
+        if debug:
+            raise
+        where = f" on {e.filename}" if e.filename else ""
+        click.echo(f"driftcheck: I/O error{where}: {e.strerror or e}; check free space, permissions "
+                   "and the path", err=True)
         raise SystemExit(EXIT_BAD_INPUT)
     except Exception as e:  # an unexpected failure: still one line, the traceback with --debug
         if debug:

@@ -11,6 +11,7 @@ dict before touching any shard.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -87,6 +88,21 @@ def validate_manifest(m: Any) -> dict[str, Any]:
     for name, typ in (("run", dict), ("entries", list), ("shards", dict)):
         if not isinstance(m.get(name), typ):
             raise FormatError(f"manifest field {name!r} is missing or not a {typ.__name__}")
+    _check_run(m["run"])
+    if m.get("replay") not in (None, REPLAY):
+        raise FormatError(f"manifest 'replay' is {m['replay']!r}; a trace's replay file is always "
+                          f"{REPLAY!r} inside the trace")
+    for name in ("findings", "view_events", "fp8"):
+        v = m.get(name)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+            raise FormatError(f"manifest field {name!r} is not a list of objects")
+    for i, f in enumerate(m.get("findings") or []):
+        if not all(isinstance(f.get(k), str) for k in ("kind", "module", "message")) \
+                or not (f.get("step") is None or _is_int(f["step"])) \
+                or not all(f.get(k) is None or isinstance(f[k], str) for k in ("phase", "key", "severity")) \
+                or not (f.get("details") is None or isinstance(f["details"], dict)):
+            raise FormatError(f"manifest finding {i} is malformed (kind, module, message must be "
+                              "strings, step an integer or null)")
     for shard, size in m["shards"].items():
         check_shard_name(shard)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -116,14 +132,86 @@ def validate_manifest(m: Any) -> dict[str, Any]:
                 raise FormatError(f"manifest entry {i} points to shard {tensor['shard']!r} "
                                   "that the manifest does not list")
         sample = e.get("sample")
-        if sample is not None and not (isinstance(sample, dict) and sample.get("shard") in m["shards"]
+        if sample is not None and not (isinstance(sample, dict) and isinstance(sample.get("shard"), str)
+                                       and sample["shard"] in m["shards"]
                                        and isinstance(sample.get("name"), str)):
             raise FormatError(f"manifest entry {i} has a malformed 'sample' reference")
+        _check_stats(i, e["stats"])
+        _check_meta(i, e.get("meta"))
         k = entry_key(e).align
         if k in seen:
             raise FormatError(f"manifest entry {i} repeats key {e['key']!r}")
         seen.add(k)
     return m
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v is None
+
+
+# run fields that compare and the renderers compute with: their types are checked, other run
+# fields are free-form metadata (shown escaped, never evaluated).
+_RUN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "steps": int, "model_id": str, "scenario": str, "device": str, "dtype": str, "mode": str,
+    "replay_id": str, "precision": dict, "seed": int, "autocast": str, "fp8": str,
+}
+
+
+def _check_run(run: dict[str, Any]) -> None:
+    for f, typ in _RUN_FIELDS.items():
+        v = run.get(f)
+        if v is not None and (not isinstance(v, typ) or (typ is int and isinstance(v, bool))):
+            raise FormatError(f"manifest run field {f!r} has the wrong type ({type(v).__name__})")
+    if run.get("steps") is not None and not 0 <= run["steps"] <= 1 << 31:
+        raise FormatError(f"manifest run 'steps' is {run['steps']}, expected a step count")
+
+
+def _check_stats(i: int, stats: dict[str, Any]) -> None:
+    # Summary statistics are numbers, or null where a tensor has no finite value (json_safe).
+    for k, v in stats.items():
+        if not _is_num(v):
+            raise FormatError(f"manifest entry {i} stat {k!r} is not a number")
+    for k in ("nan", "inf", "numel"):
+        if stats.get(k) is not None and not (_is_int(stats[k]) and stats[k] >= 0):
+            raise FormatError(f"manifest entry {i} stat {k!r} is not a non-negative count")
+
+
+_PARENT = re.compile(r"^.*#\d{1,9}$", re.S)
+
+
+def _check_meta(i: int, meta: Any) -> None:
+    # Fields compare reads from an entry's meta (the noise-floor inputs and the module tree).
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise FormatError(f"manifest entry {i} 'meta' is not an object")
+    parent = meta.get("parent")
+    if parent is not None and not (isinstance(parent, str) and _PARENT.match(parent)):
+        raise FormatError(f"manifest entry {i} meta 'parent' is not of the form MODULE#CALL")
+    for k in ("kind", "module_type"):
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise FormatError(f"manifest entry {i} meta {k!r} is not a string")
+    if meta.get("k") is not None and not (_is_int(meta["k"]) and meta["k"] >= 0):
+        raise FormatError(f"manifest entry {i} meta 'k' is not a non-negative integer")
+    v = meta.get("mag_rms")
+    if not (_is_num(v) and (v is None or v >= 0)):
+        raise FormatError(f"manifest entry {i} meta 'mag_rms' is not a non-negative number")
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None: strict JSON has no NaN/Inf, and a
+    statistic over a tensor without a finite value (all NaN, zero-size) simply has no value."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def check_shard_name(name: Any) -> str:

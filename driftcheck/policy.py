@@ -120,10 +120,10 @@ class Policy:
                     raise DriftcheckError(f"{path}: no [tool.driftcheck] table; add one or point --policy at a driftcheck.toml")
                 return cls.from_mapping(table, source=path)
             return cls.from_mapping(data, source=path)
-        own = os.path.join(search_dir, FILE_NAME)
+        own = os.path.normpath(os.path.join(search_dir, FILE_NAME))
         if os.path.isfile(own):
             return cls.from_mapping(_read_toml(own), source=own)
-        pyproject = os.path.join(search_dir, "pyproject.toml")
+        pyproject = os.path.normpath(os.path.join(search_dir, "pyproject.toml"))
         if os.path.isfile(pyproject):
             table = _read_toml(pyproject).get("tool", {}).get("driftcheck")
             if table is not None:

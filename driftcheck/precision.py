@@ -45,7 +45,10 @@ _ENV_NAMES = ("XLA_FLAGS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "NVIDIA_TF32_OVERRID
 _VERSION_PACKAGES = {"numpy": "numpy", "safetensors": "safetensors", "driftcheck": "driftcheck",
                      "torch_tpu": "torch-tpu", "transformers": "transformers"}
 # Keys whose difference never changes a number (flattened, dotted).
-_NOT_NUMERIC = ("host.node", "device.index", "device.count", "matmul_precision_source")
+_ATOMIC = ("fp8",)
+# The autoload switch only says whether torch_tpu was loaded; torch_tpu_loaded records that fact.
+_NOT_NUMERIC = ("host.node", "device.index", "device.count", "matmul_precision_source",
+                "env.TORCH_DEVICE_BACKEND_AUTOLOAD")
 
 
 def dtype_name(dtype: "torch.dtype | str") -> str:
@@ -155,8 +158,10 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
     if device.type == "tpu":
         fused = _truthy(os.environ.get("TORCH_TPU_DEFER_AND_FUSE"))
         tpu_mode = "defer_and_fuse" if fused else "eager"
+    device_info = devices.describe(device)
+    backend_versions = device_info.pop("versions", {})  # kept once, under "versions"
     settings: dict[str, Any] = {
-        "device": devices.describe(device),
+        "device": device_info,
         "dtype": dtype_name(dtype),
         "autocast": dtype_name(autocast) if autocast else None,
         "matmul_precision": matmul_precision or _matmul_precision(),
@@ -175,6 +180,8 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
         "fp8": _fp8_dict(fp8),
     }
     versions = settings["versions"]
+    for key in ("hip", "cudnn"):
+        versions[key] = backend_versions.get(key)
     versions["torch_tpu"] = versions["torch_tpu"] or devices.torch_tpu_version()
     json.dumps(settings)  # fail here, not when the manifest is written
     return settings
@@ -279,10 +286,16 @@ def effective_matmul_roundoff(settings: dict[str, Any], tensor_dtype: str, phase
     Returns:
         The largest roundoff among the op's dtype, the autocast dtype, the fp32 mode of the device
         (TF32 2^-11 on CUDA; TPU medium 2^-8, high 2^-16, highest 2^-24) and the fp8 format.
+
+    Raises:
+        ValueError: ``tensor_dtype`` is not a floating-point dtype, or ``op`` is unknown.
     """
     if op not in ("linear", "matmul", "conv"):
         raise ValueError(f"op must be linear, matmul or conv, not {op!r}")
-    name = dtype_name(tensor_dtype)
+    try:
+        name = dtype_name(tensor_dtype)
+    except DriftcheckError as err:  # a programming error here, not a user's input
+        raise ValueError(str(err)) from None
     roundoff = UNIT_ROUNDOFF[name]
     if name == "float32":
         roundoff = max(roundoff, _fp32_roundoff(settings, op))
@@ -301,7 +314,9 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict):  # an empty dict adds no key: absent and empty compare equal
+        # The fp8 recipe is one setting (one row in a diff); an empty dict adds no key, so absent
+        # and empty compare equal.
+        if isinstance(value, dict) and path not in _ATOMIC:
             flat.update(_flatten(value, path + "."))
         else:
             flat[path] = value

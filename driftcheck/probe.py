@@ -421,9 +421,9 @@ def scatter_add_on_view(dev):
 
 
 @_program
-def copy_between_views(dev):
-    return _write_through(dev, lambda x: x[0], lambda v: v.copy_(v.new_tensor([5.0, 6.0, 7.0, 8.0])),
-                          3, 4)
+def copy_into_row_view(dev):
+    new_row = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    return _write_through(dev, lambda x: x[0], lambda v: v.copy_(new_row.to(v.device)), 3, 4)
 
 
 @_program

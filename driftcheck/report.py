@@ -115,15 +115,29 @@ class Report:
         findings = [Finding(**_only(Finding, f)) for f in d.get("findings", [])]
         return cls(
             verdict=d["verdict"], reference=d.get("reference", {}), target=d.get("target", {}),
-            first_divergence=d.get("first_divergence"), entries=entries, findings=findings,
-            limit=float(d.get("limit") or 0.0), decided_by=d.get("decided_by", ""),
+            first_divergence=_unnum(d.get("first_divergence")), entries=entries, findings=findings,
+            limit=float(_unnum(d.get("limit")) or 0.0), decided_by=d.get("decided_by", ""),
             truth=d.get("truth"), warnings=list(d.get("warnings", [])), policy=d.get("policy", {}),
         )
 
 
 def _only(cls: type, d: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
+    return {k: _unnum(v) for k, v in d.items() if k in names}
+
+
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _unnum(x: Any) -> Any:
+    # Undo _num: the JSON spellings of inf/nan come back as floats.
+    if isinstance(x, str) and x in _SPECIAL:
+        return _SPECIAL[x]
+    if isinstance(x, dict):
+        return {k: _unnum(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_unnum(v) for v in x]
+    return x
 
 
 def _num(x: Any) -> Any:

@@ -6,6 +6,7 @@ exactly those, casts them to its dtype and moves them to its device.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -55,19 +56,23 @@ def encode_batch(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any
                           "hold tensors, tuples, lists, dicts, numbers, strings and None")
 
 
-def decode_batch(desc: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def decode_batch(desc: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
+    """Rebuild a batch from its JSON description (untrusted: it comes from a replay file)."""
     t = desc.get("t") if isinstance(desc, dict) else None
+    items = desc.get("items") if isinstance(desc, dict) else None
+    if depth > 64:
+        t = None  # deeper than any real batch: refuse rather than recurse without bound
     if t == "tensor":
         name = desc.get("name")
-        if name not in tensors:
+        if not isinstance(name, str) or name not in tensors:
             raise DriftcheckError(f"replay file lacks input tensor {name!r}; re-record the reference")
         return tensors[name]
-    if t == "dict":
-        return {k: decode_batch(v, tensors) for k, v in desc["items"].items()}
-    if t in ("tuple", "list"):
-        items = [decode_batch(v, tensors) for v in desc["items"]]
-        return tuple(items) if t == "tuple" else items
-    if t == "value":
+    if t == "dict" and isinstance(items, dict):
+        return {str(k): decode_batch(v, tensors, depth + 1) for k, v in items.items()}
+    if t in ("tuple", "list") and isinstance(items, list):
+        out = [decode_batch(v, tensors, depth + 1) for v in items]
+        return tuple(out) if t == "tuple" else out
+    if t == "value" and (desc.get("v") is None or isinstance(desc.get("v"), (bool, int, float, str))):
         return desc.get("v")
     raise DriftcheckError("replay file has a malformed input description; re-record the reference")
 
@@ -131,7 +136,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
            exclude: Iterable[str] | None = None, full_modules: Iterable[str] | None = None,
            phases: Iterable[str] | None = None, capture_steps: Iterable[int] | None = None,
            transfer: str = "batched", autocast: str | None = None, fp8: str | None = None,
-           local: bool = False, view_audit: bool = False,
+           local: str | os.PathLike | None = None, view_audit: bool = False,
            on_step: Callable[[int, int], None] | None = None,
            target_hooks: Callable[[nn.Module], Any] | None = None) -> Path:
     """Record ``scenario`` into the trace directory ``out``; returns its path.
@@ -145,6 +150,10 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         mode, include, exclude, full_modules, phases, capture_steps, transfer: see Tracer.
         autocast: "bf16"/"fp16" to run the forward under torch.autocast.
         fp8: "e4m3", "e5m2" or "hybrid": Linear matmuls through emulated fp8.
+        local: a full-mode reference trace (the one replayed): every leaf module is also rerun
+            on that reference's inputs of the same call, and its output (and input gradients,
+            from the reference's output gradients) recorded as ``local.*`` entries, so compare
+            can tell the error a module adds from the error it inherits (driftcheck/local.py).
         target_hooks: called with the model after it is placed, before recording (fault
             injection in tests and benchmarks).
     """
@@ -158,13 +167,21 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         if scenario.loss is not None:
             raise DriftcheckError(f"model {model_id or scenario.name} has no parameters: nothing to "
                                   "train; drop the loss for an inference-only record")
+    if scenario.loss is not None and not any(p.requires_grad for p in model.parameters()):
+        raise DriftcheckError(f"model {model_id or scenario.name} has no trainable parameters (none "
+                              "requires grad): unfreeze some, or drop the loss for an "
+                              "inference-only record")
     torch.manual_seed(seed)
 
     replay_tensors: dict[str, torch.Tensor] = {}
     if replay is not None:
         tensors, meta = read_replay(replay)
         _load_replay_state(model, tensors, replay)
-        all_batches = [decode_batch(d, tensors) for d in meta.get("inputs", [])]
+        inputs = meta.get("inputs", [])
+        if not isinstance(inputs, list):
+            raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
+                                  "re-record the reference")
+        all_batches = [decode_batch(d, tensors) for d in inputs]
         if steps is None:
             n_steps = len(all_batches)  # a replayed target runs the reference's steps
         batches = all_batches[:n_steps]
@@ -173,6 +190,9 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                                   f"{n_steps} were asked for; use --steps {len(batches)} or "
                                   "re-record the reference with more steps")
         replay_id = meta.get("replay_id")
+        if not isinstance(meta.get("seed", seed), int) or isinstance(meta.get("seed"), bool):
+            raise DriftcheckError(f"--replay {replay}: the replay file's seed is not an integer; "
+                                  "re-record the reference")
         seed = int(meta.get("seed", seed))
         torch.manual_seed(seed)
     else:
@@ -189,7 +209,9 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
 
     model.to(device=device)
     if tdtype != torch.float32:
-        model.to(dtype=tdtype)
+        # Floating tensors only: Module.to(dtype) would also cast complex tensors to real,
+        # silently dropping their imaginary part; integer/bool/complex state keeps its dtype.
+        model._apply(lambda t: t.to(tdtype) if t.is_floating_point() else t)
     fp8_handle = None
     if fp8:
         from driftcheck import fp8 as fp8_mod
@@ -205,33 +227,45 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         sel_phases -= {"optimizer"}
 
     dropout = DropoutControl(seed)
+    local_replay = _open_local(local, replay, replay_id, fp8, dropout) if local is not None else None
     with TraceWriter(out, force=force) as writer:
         if replay is None:
             writer.write_replay(replay_tensors, replay_meta)
         tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, include=include,
                         exclude=exclude, full_modules=full_modules, phases=sel_phases,
                         steps=capture_steps, transfer=transfer, seed=seed,
-                        view_audit=view_audit)
+                        view_audit=view_audit, local=local_replay)
         tracer.attach()
+        audit_ctx: Any = contextlib.nullcontext()
+        if view_audit:
+            from driftcheck.audit.views import ViewAudit
+
+            tracer.audit = audit_ctx = ViewAudit(lambda: tracer.current_module,
+                                                 lambda: tracer.step_index)
         try:
-            tracer.fp8_stats = []
-            train(model, batches, scenario, optimizer, device=device, dtype=tdtype,
-                  dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
-                  on_step=on_step, model_id=model_id)
+            with audit_ctx:
+                train(model, batches, scenario, optimizer, device=device, dtype=tdtype,
+                      dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
+                      on_step=on_step, model_id=model_id)
+            if tracer.audit is not None:
+                tracer.events = tracer.audit.events()
         finally:
             tracer._active = False
             tracer.detach()
             if fp8_handle is not None:
                 fp8_handle.remove()
+            if local_replay is not None:
+                local_replay.close()
         run = run_metadata(model=model, device=device, mode=mode, steps=n_steps,
                            dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
                            seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
                            replay_id=replay_id, replay_of=str(replay) if replay else None,
                            autocast=autocast, fp8=fp8,
+                           local_of=str(local) if local is not None else None,
                            capture={"include": list(include or []), "exclude": list(exclude or []),
                                     "phases": sorted(sel_phases), "transfer": transfer})
         extra: dict[str, Any] = {"findings": tracer.findings}
-        if getattr(tracer, "fp8_stats", None):
+        if tracer.fp8_stats:
             extra["fp8"] = tracer.fp8_stats
         if tracer.events:
             extra["view_events"] = tracer.events
@@ -247,21 +281,30 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
     """The training loop of a record, traced or not (the same code: tracing must not change
     the numbers). Returns per step the loss and output (detached) for tests."""
     results = []
+    name = model_id or scenario.name
     for step, raw in enumerate(batches):
         dropout.set_step(step)
         batch = cast_batch(raw, device, dtype)
         with dropout, _autocast(device, autocast):
-            output = call_model(model, batch)
-            loss = scenario.loss(output, batch) if scenario.loss else None
+            with _user_code(name, "the forward", step):
+                output = call_model(model, batch)
+            with _user_code(name, "loss(output, batch)", step):
+                loss = scenario.loss(output, batch) if scenario.loss else None
         if loss is not None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise DriftcheckError(f"{model_id or scenario.name}: loss(output, batch) must return "
+                raise DriftcheckError(f"{name}: loss(output, batch) must return "
                                       f"a scalar tensor, got {type(loss).__name__}")
+            if not loss.requires_grad:
+                raise DriftcheckError(f"{name}: the loss of step {step} does not depend on any "
+                                      "trainable parameter (no grad_fn); check the loss function, "
+                                      "or drop the loss for an inference-only record")
             if tracer is not None:
                 tracer.record_loss(loss)
-            loss.backward()
+            with _user_code(name, "the backward", step):
+                loss.backward()
             if optimizer is not None:
-                optimizer.step()
+                with _user_code(name, "the optimizer step", step):
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             else:
                 model.zero_grad(set_to_none=True)
@@ -277,12 +320,43 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
     return results
 
 
-def _autocast(device: torch.device, autocast: str | None):
-    import contextlib
+@contextlib.contextmanager
+def _user_code(name: str, what: str, step: int) -> Any:
+    """Turn an exception raised by the user's model code into one clear line (exit 2); the
+    original stays chained for --debug. Our own errors and Ctrl-C pass through untouched."""
+    try:
+        yield
+    except DriftcheckError:
+        raise
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
+                              "(fix the model code; --debug shows the traceback)") from e
 
+
+def _autocast(device: torch.device, autocast: str | None):
     if not autocast:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=parse_dtype(autocast))
+
+
+def _open_local(local: str | os.PathLike, replay: str | os.PathLike | None, replay_id: str | None,
+                fp8: str | None, dropout: DropoutControl) -> Any:
+    from driftcheck.local import LocalReplay
+
+    if replay is None:
+        raise DriftcheckError(f"--local {local} needs --replay: the local replay feeds each module "
+                              "the reference's inputs, so the run must start from the same "
+                              "weights and inputs (pass --replay with the same reference)")
+    if fp8:
+        raise DriftcheckError("--local cannot be combined with --fp8 yet: the replay would advance "
+                              "the fp8 scaling history; record the fp8 target without --local")
+    lr = LocalReplay(local, dropout)
+    if lr.replay_id != replay_id:
+        lr.close()
+        raise DriftcheckError(f"--local {local} is not the trace replayed by --replay {replay} "
+                              "(different replay_id); pass the same reference to both")
+    return lr
 
 
 def _load_replay_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Any) -> None:

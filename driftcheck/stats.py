@@ -4,10 +4,21 @@ The stats of many tensors are stacked into one small tensor so a step needs one 
 """
 from __future__ import annotations
 
+import functools
+import zlib
+
+import numpy as np
 import torch
 
 # Column order of the stats vector; the manifest stores them under these names.
 FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
+# fp8 tensors only (NaN columns otherwise, dropped from the manifest): elements flushed into the
+# subnormal range (nonzero, below the smallest normal: precision lost) and elements saturated at
+# the largest finite value (overflow clamped by the cast).
+FP8_FIELDS = ("fp8_underflow", "fp8_overflow")
+COLUMNS = FIELDS + FP8_FIELDS
+_FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                             "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
@@ -16,7 +27,22 @@ def _acc_dtype(device: torch.device) -> torch.dtype:
 
 
 def stats_vector(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor of len(FIELDS) on ``t``'s device: stats over the finite values of ``t``."""
+    """A 1-D tensor of len(COLUMNS) on ``t``'s device: stats over the finite values of ``t``."""
+    return torch.cat([_base_stats(t), _fp8_stats(t)])
+
+
+def _fp8_stats(t: torch.Tensor) -> torch.Tensor:
+    acc = _acc_dtype(t.device)
+    if t.dtype not in _FP8:
+        return torch.full((len(FP8_FIELDS),), float("nan"), dtype=acc, device=t.device)
+    fi = torch.finfo(t.dtype)
+    a = t.detach().reshape(-1).float().abs()  # every fp8 value is exact in float32
+    under = ((a > 0) & (a < fi.tiny)).sum().to(acc)
+    over = (a == fi.max).sum().to(acc)
+    return torch.stack([under, over])
+
+
+def _base_stats(t: torch.Tensor) -> torch.Tensor:
     acc = _acc_dtype(t.device)
     if t.is_complex():
         t = t.abs()
@@ -49,6 +75,128 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
 def to_dict(vec: list[float]) -> dict[str, float | int]:
     """Host-side stats vector -> manifest dict (counts as ints)."""
     d: dict[str, float | int] = {}
-    for name, v in zip(FIELDS, vec):
-        d[name] = int(v) if name in ("nan", "inf", "numel") else float(v)
+    for name, v in zip(COLUMNS, vec):
+        if name in FP8_FIELDS:
+            if v == v:  # NaN: not an fp8 tensor
+                d[name] = int(v)
+        else:
+            d[name] = int(v) if name in ("nan", "inf", "numel") else float(v)
     return d
+
+
+# -- many tensors at once ---------------------------------------------------------------------
+SAMPLE_SIZE = 512  # elements kept per tensor in stats mode, at the same indices on both runs
+GROUP_ELEMS = 1 << 22  # elements summarised together: bounds the float64 working memory
+
+
+def sample_indices(key: str, numel: int, seed: int) -> np.ndarray:
+    """Flat indices of the stats-mode sample of a tensor: a function of (key, numel, seed) only,
+    so two runs sample the same positions. One uniform point set per seed, shifted per key
+    (a Cranley-Patterson rotation): well spread, different for every key and step."""
+    if numel <= SAMPLE_SIZE:
+        return np.arange(numel, dtype=np.int64)
+    base = _base_points(seed)
+    shift = zlib.crc32(key.encode()) / 2.0**32
+    return np.minimum(((base + shift) % 1.0 * numel).astype(np.int64), numel - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _base_points(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed & (2**63 - 1)).random(SAMPLE_SIZE)
+
+
+def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: int
+              ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Stats rows (len(tensors), len(COLUMNS)) and samples (None where ``sample_keys`` is None)
+    of many tensors, on their device, with a few kernels per group of same-dtype tensors rather
+    than ~20 per tensor: the per-capture cost of stats mode is what makes it cheap or not."""
+    rows: list[torch.Tensor | None] = [None] * len(tensors)
+    samples: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() == 0 or t.is_complex():
+            rows[i] = stats_vector(t)
+            if sample_keys[i] is not None:
+                idx = sample_indices(sample_keys[i], t.numel(), seed)
+                samples[i] = t.reshape(-1)[torch.from_numpy(idx).to(t.device)]
+            continue
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for idxs in groups.values():
+        start = 0
+        while start < len(idxs):  # split so a group holds at most GROUP_ELEMS (or one tensor)
+            end, n = start, 0
+            while end < len(idxs) and (end == start or n + tensors[idxs[end]].numel() <= GROUP_ELEMS):
+                n += tensors[idxs[end]].numel()
+                end += 1
+            part = idxs[start:end]
+            try:
+                got_rows, got_samples = _summarize_group([tensors[i] for i in part],
+                                                         [sample_keys[i] for i in part], seed)
+            except (RuntimeError, NotImplementedError):  # a backend without segment_reduce
+                got_rows = [stats_vector(tensors[i]) for i in part]
+                got_samples = [None if sample_keys[i] is None else tensors[i].reshape(-1)[
+                    torch.from_numpy(sample_indices(sample_keys[i], tensors[i].numel(), seed)
+                                     ).to(tensors[i].device)] for i in part]
+            for j, i in enumerate(part):
+                rows[i], samples[i] = got_rows[j], got_samples[j]
+            start = end
+    if not tensors:
+        return torch.zeros((0, len(COLUMNS)), dtype=torch.float64), []
+    acc = rows[0].dtype  # type: ignore[union-attr]
+    return torch.stack([r.to(acc) for r in rows]), samples  # type: ignore[union-attr]
+
+
+def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    dev, dtype = ts[0].device, ts[0].dtype
+    acc = _acc_dtype(dev)
+    lengths = [t.numel() for t in ts]
+    flat = torch.cat([t.detach().reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].detach().reshape(-1)
+    samples: list[torch.Tensor | None] = [None] * len(ts)
+    if any(k is not None for k in keys):
+        offsets = np.cumsum([0] + lengths[:-1])
+        picks = [sample_indices(k, n, seed) + o for k, n, o in zip(keys, lengths, offsets) if k is not None]
+        gathered = flat[torch.from_numpy(np.concatenate(picks)).to(dev)]
+        parts = iter(gathered.split([len(p) for p in picks]))
+        samples = [next(parts) if k is not None else None for k in keys]
+    x = flat.to(acc)
+    L = torch.tensor(lengths, device=dev)
+    zero = torch.zeros((), dtype=acc, device=dev)
+    inf = torch.tensor(float("inf"), dtype=acc, device=dev)
+
+    def seg(v: torch.Tensor, how: str) -> torch.Tensor:
+        return torch.segment_reduce(v, how, lengths=L)
+
+    if dev.type == "cpu" and dtype not in _FP8 and bool(torch.isfinite(x).all()):
+        # The common case, on the host (where branching on data costs no device sync): all
+        # values finite, so no masking passes; the same numbers as the general path below.
+        n = L.to(acc)
+        mean = seg(x, "sum") / n
+        d = x - torch.repeat_interleave(mean, L, output_size=x.numel())
+        std = (seg(d * d, "sum") / n).sqrt()
+        mn, mx = seg(x, "min"), seg(x, "max")
+        nanv = torch.full_like(n, float("nan"))
+        cols = [mn, mx, mean, std, torch.maximum(mn.abs(), mx.abs()), seg(x * x, "sum").sqrt(),
+                torch.zeros_like(n), torch.zeros_like(n), n, nanv, nanv]
+        return list(torch.stack(cols, dim=1).unbind(0)), samples
+    finite = torch.isfinite(x)
+    count = seg(finite.to(acc), "sum")
+    xz = torch.where(finite, x, zero)
+    safe = torch.clamp(count, min=1)
+    mean = seg(xz, "sum") / safe
+    dev_ = torch.where(finite, x - torch.repeat_interleave(mean, L, output_size=x.numel()), zero)
+    std = (seg(dev_ * dev_, "sum") / safe).sqrt()
+    mn = seg(torch.where(finite, x, inf), "min")
+    mx = seg(torch.where(finite, x, -inf), "max")
+    nanv = torch.full_like(count, float("nan"))
+    none = count == 0
+    absx = xz.abs()
+    cols = [torch.where(none, nanv, mn), torch.where(none, nanv, mx), torch.where(none, nanv, mean),
+            torch.where(none, nanv, std), seg(absx, "max"), seg(xz * xz, "sum").sqrt(),
+            seg(torch.isnan(x).to(acc), "sum"), seg(torch.isinf(x).to(acc), "sum"), L.to(acc)]
+    if dtype in _FP8:
+        fi = torch.finfo(dtype)
+        cols += [seg(((absx > 0) & (absx < fi.tiny)).to(acc), "sum"), seg((absx == fi.max).to(acc), "sum")]
+    else:
+        cols += [nanv, nanv]
+    return list(torch.stack(cols, dim=1).unbind(0)), samples

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
-import zlib
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -28,7 +27,7 @@ from driftcheck import format as fmt
 from driftcheck import stats as tstats
 from driftcheck.store import TraceWriter
 
-SAMPLE_SIZE = 512  # elements kept per tensor in stats mode, at the same indices on both runs
+SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
 
 
 # -- nested structures -----------------------------------------------------------------------
@@ -81,6 +80,10 @@ def _module_kind(m: nn.Module) -> tuple[str, int | None]:
     if not any(True for _ in m.children()):
         return "elementwise", None
     return "composite", None
+
+
+def _is_leaf(m: nn.Module) -> bool:
+    return not any(True for _ in m.children())
 
 
 def _magnitude_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -143,7 +146,8 @@ class Tracer:
                  full_modules: Iterable[str] | None = None,
                  phases: Iterable[str] | None = None, steps: Iterable[int] | None = None,
                  transfer: str = "batched", seed: int = 0, audits: bool = True,
-                 view_audit: bool = False, max_pending_bytes: int = 1 << 30) -> None:
+                 view_audit: bool = False, max_pending_bytes: int = 1 << 30,
+                 local: Any = None) -> None:
         if mode not in fmt.MODES:
             raise ValueError(f"mode must be one of {fmt.MODES}, not {mode!r}")
         self.model = model
@@ -158,6 +162,8 @@ class Tracer:
         self.seed = seed
         self.audits = audits
         self.view_audit = view_audit
+        self.local = local  # a local.LocalReplay: replay leaf modules on the reference's inputs
+        self._replaying = False
         self.max_pending_bytes = max_pending_bytes
         self.optimizer = optimizer
         self.names = {m: n for n, m in model.named_modules()}
@@ -175,6 +181,17 @@ class Tracer:
         self._active = False
         self._reset_step()
         self._select_cache: dict[str, bool] = {}
+        self.audit: Any = None  # a ViewAudit dispatch mode, when the view audit is on
+        self.fp8_stats: list[dict[str, Any]] = []
+
+    @property
+    def current_module(self) -> str:
+        """The module path running now (for the view audit); "" outside any module."""
+        return self._stack[-1][0] if self._stack else ""
+
+    def _quiet(self) -> Any:
+        # The tracer's own copies must not show up in the view/in-place audit.
+        return self.audit.paused() if self.audit is not None else contextlib.nullcontext()
 
     # -- selection ---------------------------------------------------------------------------
     def _selected(self, module: str) -> bool:
@@ -297,6 +314,8 @@ class Tracer:
     # -- forward / backward hooks -------------------------------------------------------------
     def _make_pre_hook(self, name: str) -> Callable:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._replaying:
+                return  # a local replay of this module: not a call of the traced run
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             parent = self._stack[-1] if self._stack else None
@@ -305,6 +324,8 @@ class Tracer:
                 return
             ctx = {"parent": f"{parent[0]}#{parent[1]}" if parent else None,
                    "call_start": self._order}
+            if self.local is not None:
+                self.local.before_call(name, call)
             inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
             if self._capturing("forward"):
                 for slot, t in inputs:
@@ -312,7 +333,9 @@ class Tracer:
             if self.audits:
                 from driftcheck.audit import batchnorm as bn_audit
                 if bn_audit.is_tracked_norm(module) and inputs:
-                    self._bn_before[(name, call)] = (bn_audit.snapshot(module), inputs[0][1].detach().clone())
+                    with self._quiet():
+                        self._bn_before[(name, call)] = (bn_audit.snapshot(module),
+                                                         inputs[0][1].detach().clone())
             if self._capturing("backward") and torch.is_grad_enabled():
                 # Remember each input's autograd node now: an in-place op inside the module
                 # (ReLU(inplace=True)) replaces the tensor's grad_fn during the call.
@@ -321,12 +344,15 @@ class Tracer:
                 if grad_inputs:
                     self._call_inputs[(name, call)] = grad_inputs
                     # Nodes created from here on belong to this call: mark the sequence number.
-                    probe = torch.zeros((), requires_grad=True) * 1.0
+                    with self._quiet():
+                        probe = torch.zeros((), requires_grad=True) * 1.0
                     self._start_seq[(name, call)] = probe.grad_fn._sequence_nr()
         return pre_hook
 
     def _make_post_hook(self, name: str) -> Callable:
         def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._replaying:
+                return
             name_, call = self._stack.pop() if self._stack else (name, 0)
             if not self._selected(name):
                 return
@@ -336,10 +362,13 @@ class Tracer:
                                    "module_type": type(module).__name__, "kind": kind}
             if k is not None:
                 ctx["k"] = k
+            if kind == "conv":
+                ctx["kernel"] = math.prod(module.kernel_size)
             outputs = list(flatten(output, "output"))
             dev_meta = None
             if kind in ("linear", "conv") and args and isinstance(args[0], torch.Tensor):
-                mag = _magnitude_sq(module, args[0])
+                with self._quiet():
+                    mag = _magnitude_sq(module, args[0])
                 if mag is not None:
                     dev_meta = {"mag_sq": mag}
             if self._capturing("forward"):
@@ -349,12 +378,35 @@ class Tracer:
             if (name, call) in self._bn_before:
                 from driftcheck.audit import batchnorm as bn_audit
                 before, x = self._bn_before.pop((name, call))
-                for f in bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
-                                             module.training, self.step_index, call):
-                    self.findings.append(f.to_dict())
+                with self._quiet():
+                    found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
+                                                module.training, self.step_index, call)
+                self.findings.extend(f.to_dict() for f in found)
             if self._capturing("backward") and torch.is_grad_enabled():
                 self._hook_backward(name, call, outputs, ctx)
+            if self.local is not None and self._capturing("forward") and _is_leaf(module):
+                self._local_replay(name, call, module, args, kwargs, ctx)
         return post_hook
+
+    def _local_replay(self, name: str, call: int, module: nn.Module, args: tuple, kwargs: dict,
+                      ctx: dict[str, Any]) -> None:
+        """Capture ``local.*`` entries: this leaf module rerun on the reference's inputs."""
+        backward = self._capturing("backward") and torch.is_grad_enabled()
+        self._replaying = True
+        try:
+            with self._quiet():
+                results = self.local.replay(
+                    self.step_index, name, call, module, args, kwargs, backward=backward,
+                    owner=lambda p: self.param_owner.get(id(p), (None, None, None))[:2]
+                    if id(p) in self.param_owner else None)
+        finally:
+            self._replaying = False
+        bctx = {k: ctx[k] for k in ("parent", "module_type", "kind") if k in ctx}
+        order = self._order  # local entries must not shift the order numbers of the real ones
+        for phase, slot, t in results:
+            self._capture(name, phase, call, slot, t, extra=ctx if phase == "forward" else bctx,
+                          copy=False)
+        self._order = order
 
     def _hook_backward(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]],
                        ctx: dict[str, Any]) -> None:
@@ -428,7 +480,7 @@ class Tracer:
         if extra:
             entry["meta"] = dict(extra)
         self._order += 1
-        with torch.no_grad():
+        with torch.no_grad(), self._quiet():
             data = t.detach()
             if copy:
                 data = data.clone()  # copy at hook time: later in-place ops must not leak in
@@ -449,17 +501,15 @@ class Tracer:
         if not self._pending:
             return
         pending, self._pending, self._pending_bytes = self._pending, [], 0
-        with torch.no_grad():
-            stat_rows = torch.stack([tstats.stats_vector(p.tensor) for p in pending])
+        with torch.no_grad(), self._quiet():
+            fulls = [self._full(p.entry["module"]) or p.entry["phase"] == "loss" for p in pending]
+            # Stats of all captures and the samples of the non-full ones, a few kernels per dtype.
+            stat_rows, samples = tstats.summarize(
+                [p.tensor for p in pending],
+                [None if f else p.entry["key"] for p, f in zip(pending, fulls)], self.seed)
             metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
                      for k, v in p.dev_meta.items()]
             meta_vals = torch.stack([v.to(stat_rows.dtype) for _, _, v in metas]) if metas else None
-            samples: list[torch.Tensor | None] = []
-            fulls: list[bool] = []
-            for p in pending:
-                full = self._full(p.entry["module"]) or p.entry["phase"] == "loss"
-                fulls.append(full)
-                samples.append(None if full else _sample(p.tensor, p.entry["key"], self.seed))
             host_tensors = _to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
             stat_rows = stat_rows.cpu().tolist()
             meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
@@ -498,18 +548,6 @@ class _GradAccumulator:
                 self.tracer._capture(self.name, "backward", self.call, self.slot, self.total,
                                      extra=self.ctx, copy=False)
         return hook
-
-
-def _sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
-    """Elements at indices that depend only on (key, numel, seed): the same on both runs."""
-    n = t.numel()
-    flat = t.reshape(-1)
-    if n <= SAMPLE_SIZE:
-        return flat.clone()
-    # Keys carry the step, so steps sample different places; the phase/module/slot too.
-    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) ^ (seed * 2654435761)) & (2**63 - 1))
-    idx = torch.randint(0, n, (SAMPLE_SIZE,), generator=g).sort().values
-    return flat[idx.to(t.device)]
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -51,6 +51,7 @@ def test_capture_settings_cpu(restore_torch_settings, monkeypatch: pytest.Monkey
     monkeypatch.setenv("TORCH_TPU_ENABLE_DEBUG_CHECKS", "1")
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     monkeypatch.setenv("UNRELATED_VARIABLE", "x")
+    monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD", raising=False)
     apply_settings(matmul_precision="high", threads=1)
     settings = capture_settings(torch.device("cpu"), torch.float32, autocast="bf16",
                                 fp8="hybrid:current")
@@ -65,7 +66,8 @@ def test_capture_settings_cpu(restore_torch_settings, monkeypatch: pytest.Monkey
     assert settings["fp8"] == {"format": "hybrid", "scaling": "current", "history": 16,
                                "kernel": "auto"}
     assert settings["versions"]["torch"] == torch.__version__
-    assert settings["versions"]["torch_tpu"] is None
+    assert settings["versions"]["torch_tpu"] is None and "cudnn" in settings["versions"]
+    assert "versions" not in settings["device"]  # once, at the top level
     assert settings["tpu_execution_mode"] is None and settings["torch_tpu_loaded"] is False
     if "mkldnn.matmul" in settings["fp32_precision"]:
         assert settings["fp32_precision"]["mkldnn.matmul"] == "tf32"  # what "high" selects
@@ -181,6 +183,8 @@ def test_fp8_only_applies_to_linear_ops() -> None:
     assert effective_matmul_roundoff(settings, "float32", op="conv") == 2.0**-24
     with pytest.raises(ValueError):
         effective_matmul_roundoff(settings, "float32", op="gemm")
+    with pytest.raises(ValueError, match="unknown dtype 'int64'"):
+        effective_matmul_roundoff(settings, "int64")
 
 
 @pytest.mark.parametrize(
@@ -224,7 +228,7 @@ def test_diff_settings_flags_what_explains_drift() -> None:
     assert rows["device.type"] == ("cpu", "tpu", True)
     assert rows["device.index"] == (None, 0, False)
     assert rows["env.TORCH_TPU_DEFER_AND_FUSE"] == (None, "1", True)
-    assert rows["fp8.format"] == (None, "hybrid", True)
+    assert rows["fp8"] == (None, {"format": "hybrid", "scaling": "delayed"}, True)  # one row
     assert rows["versions.torch_tpu"] == (None, "0.2.0", True)
     assert "device.name" in rows  # removed on the target side: reported, not dropped
     keys = [row[0] for row in diff_settings(ref, tgt)]

@@ -150,6 +150,14 @@ def test_limits_follow_policy_overrides() -> None:
     assert all(r["limit"] == 4.0 for r in rows if r["module"] == "lm_head" and r["phase"] == "backward")
 
 
+def test_command_line_limit_replaces_policy_limits() -> None:
+    report = failing_report()
+    report.policy = {"limit": 4.0, "overrides": [{"glob": "lm_head*", "limit": 8.0}], "limit_override": 50.0}
+    report.entries[10].rule = "--limit 50"
+    data = Page(render_html(report)).table_data()
+    assert {r[data["columns"].index("limit")] for r in data["rows"]} == {50.0}
+
+
 def test_details_for_worst_entries(fail_page: Page) -> None:
     details = [a for t, a in fail_page.tags if t == "details"]
     assert 2 <= len(details) <= 7 and details[0]["id"] == "detail-0"

@@ -1,4 +1,4 @@
-"""The BatchNorm running-statistics audit: did each training call update the buffers as PyTorch must?
+"""The BatchNorm running-statistics audit: did each training call update the buffers correctly?
 
 A self-check that needs no reference run. Around every call of a norm layer that tracks running
 statistics, the tracer snapshots the buffers before and after; ``audit_call`` recomputes, from the

@@ -128,13 +128,22 @@ def worst(entries: list[Entry], n: int = 10) -> list[Entry]:
 
 
 def report_policy(report: Report) -> Policy:
-    """The policy the report was judged with (embedded by compare); the default when absent."""
-    return Policy.from_dict(report.policy)
+    """The policy the report was judged with (embedded by compare); the default when absent.
+
+    ``compare --limit X`` replaces every limit: the embedded dict then carries ``limit_override``.
+    """
+    policy = Policy.from_dict(report.policy)
+    override = as_float((report.policy or {}).get("limit_override"))
+    if override is not None:
+        policy.limit, policy.overrides = override, []
+    return policy
 
 
 def entry_limit(entry: Entry, policy: Policy) -> tuple[float, str]:
     """The entry's limit and the rule that judged it (the entry's own ``rule`` when compare set one)."""
     limit, rule = policy.limit_for(entry.module, entry.phase)
+    if entry.rule and entry.rule.startswith("--limit "):  # compare's words for a command-line limit
+        limit = as_float(entry.rule.split()[1]) or limit
     return limit, entry.rule or rule
 
 

@@ -43,7 +43,7 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
         table.add_column(col, justify="left" if col == "key" else "right", overflow="fold")
     for e in report.worst(top):
         m = e.metrics
-        table.add_row(e.key, _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")),
+        table.add_row(escape(e.key), _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")),
                       _g(m.get("max_ulp")), e.status)
     console.print(table)
     for f in report.findings:

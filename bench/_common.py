@@ -1,0 +1,117 @@
+"""Shared pieces of the benchmarks: the two Llama sizes, timing, a disk and a memcpy baseline.
+
+Every benchmark prints ratios of two things measured in the same run on the same machine, so
+the numbers mean something on any host: absolute times depend on the CPU and the disk.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from driftcheck.scenario import Scenario  # noqa: E402
+from models import llama  # noqa: E402
+
+# ~16M parameters: 8 layers of width 384 (11 * 384^2 each) plus an 8192 x 384 tied embedding.
+LLAMA_16M = dict(vocab_size=8192, seq_len=128, d_model=384, n_layer=8, n_head=6, n_kv_head=3,
+                 hidden=1024, batch_size=4)
+
+
+def llama_scenario(size: str, steps: int, seed: int = 0) -> Scenario:
+    """The built-in tiny Llama ("tiny") or its ~16M-parameter configuration ("16m")."""
+    cfg = llama.LlamaConfig(**(LLAMA_16M if size == "16m" else {}), steps=steps)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = llama.Llama(cfg)
+    g = torch.Generator().manual_seed(seed)
+    inputs = []
+    for _ in range(steps):
+        tok = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+        inputs.append({"idx": tok[:, :-1].clone(), "targets": tok[:, 1:].clone()})
+    return Scenario(model=model, inputs=inputs, loss=llama.loss,
+                    optimizer=functools.partial(torch.optim.AdamW, lr=cfg.lr,
+                                                weight_decay=cfg.weight_decay),
+                    steps=steps, name=f"llama-{size}")
+
+
+def add_common_args(ap: Any) -> None:
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: steady timings on a shared host)")
+
+
+def setup(args: Any) -> None:
+    torch.set_num_threads(args.threads)
+
+
+def params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def disk_write_bandwidth(directory: Path, nbytes: int, block: int = 8 << 20) -> float:
+    """Sequential write bandwidth (bytes/s) of ``nbytes`` to a file in ``directory``, fsync
+    included: what ``dd if=/dev/zero of=F bs=8M conv=fsync`` measures."""
+    buf = memoryview(os.urandom(block))  # random: no filesystem compresses it away
+    fd, path = tempfile.mkstemp(dir=directory, prefix="disk-bw-")
+    try:
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[:min(block, left)])
+        os.fsync(fd)
+        dt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return nbytes / dt
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of one large tensor copy (read + write of ``nbytes``, counted once)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dt = median_time(lambda: dst.copy_(src), repeats)
+    return nbytes / dt
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def fresh(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    value: float
+    target: str
+    ok: bool | None

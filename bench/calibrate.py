@@ -1,0 +1,77 @@
+"""Calibrate the noise floor: clean fp32-vs-lower-precision records, worst ratio per model/phase.
+
+    python bench/calibrate.py            # built-ins x seeds x {bf16, fp16}, plus hf families
+    python bench/calibrate.py --quick    # built-ins, one seed, bf16
+
+Prints, per model and target precision, the worst ratio (error / floor) of a clean run, by phase.
+A correct floor keeps every clean ratio well under the limit (policy.DEFAULT_LIMIT) while an
+injected fault of a few floors exceeds it (bench/faults.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import torch  # noqa: E402
+
+from driftcheck.compare import compare  # noqa: E402
+from driftcheck.format import PHASES  # noqa: E402
+from driftcheck.loader import load_scenario  # noqa: E402
+from driftcheck.policy import DEFAULT_LIMIT  # noqa: E402
+from driftcheck.runner import record  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default=None, help="comma list (default: built-ins, plus hf:* unless --quick)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    models = args.models.split(",") if args.models else ["mlp", "resnet", "llama", "vit"]
+    if not args.models and not args.quick:
+        models += ["hf:llama", "hf:qwen3", "hf:gemma", "hf:deepseek_v3", "hf:vit", "hf:resnet",
+                   "hf:convnext", "hf:whisper", "hf:wav2vec2"]
+    seeds = [0] if args.quick else [0, 1, 2]
+    dtypes = ["bf16"] if args.quick else ["bf16", "fp16"]
+    print(f"{'model':16s} {'dtype':5s} {'seed':>4s} " + " ".join(f"{p:>9s}" for p in PHASES) + "    worst  secs")
+    overall = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in models:
+            for seed in seeds:
+                ref = Path(tmp) / f"{m.replace(':', '_')}-{seed}-fp32"
+                record(load_scenario(m, seed), ref, seed=seed, force=True, model_id=m)
+                for dt in dtypes:
+                    t0 = time.perf_counter()
+                    tgt = Path(tmp) / f"{m.replace(':', '_')}-{seed}-{dt}"
+                    record(load_scenario(m, seed), tgt, dtype=dt, seed=seed, replay=ref, force=True, model_id=m)
+                    rep = compare(ref, tgt)
+                    worst = {p: 0.0 for p in PHASES}
+                    for e in rep.entries:
+                        if e.ratio is not None and e.ratio != float("inf"):
+                            worst[e.phase] = max(worst[e.phase], e.ratio)
+                    w = max(worst.values())
+                    overall = max(overall, w)
+                    nonfinite = [f for f in rep.findings if f.kind == "nonfinite.origin"]
+                    if rep.verdict == "pass":
+                        flag = ""
+                    elif nonfinite and all(e.status in ("ok", "nonfinite") for e in rep.entries
+                                           if e.ratio is not None and e.ratio != float("inf")):
+                        # a real precision failure, not a false alarm: e.g. Adam's eps (1e-8)
+                        # is zero in fp16, so pure-fp16 Adam divides by zero
+                        flag = f"  real NaN/Inf: {nonfinite[0].key}"
+                    else:
+                        flag = f"  FALSE ALARM: {rep.decided_by[:80]}"
+                    print(f"{m:16s} {dt:5s} {seed:4d} " + " ".join(f"{worst[p]:9.3f}" for p in PHASES)
+                          + f" {w:8.3f} {time.perf_counter() - t0:5.1f}{flag}", flush=True)
+    print(f"worst clean ratio over all runs: {overall:.3f} (limit {DEFAULT_LIMIT:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

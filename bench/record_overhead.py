@@ -1,0 +1,85 @@
+"""Record overhead: traced step time over untraced step time, per capture mode.
+
+    python bench/record_overhead.py [--quick] [--sizes tiny,16m]
+
+Runs the same training steps (same weights, inputs, optimizer) untraced and traced in each mode,
+writing the trace to a temporary directory on the same disk, and prints the ratio. The traced
+time includes finishing the trace (every shard on disk, the manifest written).
+Targets: stats <= 1.5x; full <= 3x on the ~16M model.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import _common as c  # noqa: E402  (sets sys.path)
+import torch
+
+from driftcheck.rng import DropoutControl
+from driftcheck.runner import run_metadata, train
+from driftcheck.store import TraceWriter
+from driftcheck.tracer import Tracer
+
+MODES = {"stats": dict(mode="stats"), "auto": dict(mode="auto", full_modules=["layers.0*"]),
+         "full": dict(mode="full")}
+
+
+def run_once(sc, model0, mode: dict | None, out: Path) -> tuple[float, int]:
+    """Seconds for all steps (plus closing the trace), and the trace's size in bytes."""
+    model = c.fresh(model0)
+    opt = sc.optimizer(model.parameters())
+    batches = [sc.batch(i) for i in range(sc.steps)]
+    t0 = time.perf_counter()
+    if mode is None:
+        train(model, batches, sc, opt, device=torch.device("cpu"), dtype=torch.float32,
+              dropout=DropoutControl(0))
+        return time.perf_counter() - t0, 0
+    with TraceWriter(out, force=True) as writer:
+        tracer = Tracer(model, writer, optimizer=opt, **mode).attach()
+        train(model, batches, sc, opt, device=torch.device("cpu"), dtype=torch.float32,
+              dropout=DropoutControl(0), tracer=tracer)
+        tracer.detach()
+        writer.close(run_metadata(model=model, device=torch.device("cpu"), mode=mode["mode"],
+                                  steps=sc.steps))
+    dt = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in out.iterdir())
+    return dt, size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    c.add_common_args(ap)
+    ap.add_argument("--sizes", default="tiny,16m")
+    args = ap.parse_args()
+    c.setup(args)
+    steps, repeats = (2, 2) if args.quick else (3, 5)
+    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir="."))
+    rows = []
+    try:
+        for size in args.sizes.split(","):
+            sc = c.llama_scenario(size, steps)
+            model0 = sc.model
+            run_once(sc, model0, None, tmp / "warm")  # warm-up: allocator, kernels
+            base = min(run_once(sc, model0, None, tmp / "u")[0] for _ in range(repeats))
+            for name, mode in MODES.items():
+                best, size_b = min(run_once(sc, model0, mode, tmp / name) for _ in range(repeats))
+                ratio = best / base
+                target = {"stats": 1.5, "full": 3.0 if size == "16m" else None}.get(name)
+                verdict = "" if target is None else ("met" if ratio <= target else "MISSED")
+                rows.append([f"llama-{size} ({c.params(model0) / 1e6:.1f}M)", name,
+                             f"{base / steps * 1e3:.1f} ms", f"{best / steps * 1e3:.1f} ms",
+                             f"{ratio:.2f}x", f"<= {target}x {verdict}" if target else "-",
+                             c.gb(size_b / steps)])
+                print(rows[-1], flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(c.markdown_table(["model", "mode", "untraced step", "traced step", "ratio", "target",
+                            "trace per step"], rows))
+
+
+if __name__ == "__main__":
+    main()

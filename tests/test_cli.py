@@ -1,0 +1,146 @@
+"""The CLI end to end, in subprocesses: exit codes 0/1/2, one-line errors, run, report, models."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1", NO_COLOR="1")
+
+
+def dc(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "driftcheck", *args], capture_output=True,
+                          text=True, env=ENV, cwd=cwd, timeout=600)
+
+
+def one_line_error(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def test_models_lists_builtins_and_families():
+    p = dc("models")
+    assert p.returncode == 0
+    for name in ("mlp", "resnet", "llama", "vit", "hf:llama", "hf:resnet"):
+        assert name in p.stdout
+
+
+def test_record_compare_pass_fail_and_reports(tmp_path, traces):
+    ref = tmp_path / "ref"
+    p = dc("record", "mlp", "--out", str(ref))
+    assert p.returncode == 0, p.stderr
+    assert (ref / "manifest.json").exists() and (ref / "replay.safetensors").exists()
+    tgt = tmp_path / "tgt"
+    assert dc("record", "mlp", "--out", str(tgt), "--dtype", "bf16", "--replay", str(ref)).returncode == 0
+    out = tmp_path / "r.json"
+    p = dc("compare", str(ref), str(tgt), "--json", str(out), "--junit", str(tmp_path / "j.xml"),
+           "--summary-md", str(tmp_path / "s.md"), "--html", str(tmp_path / "r.html"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("PASS")
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "pass" and report["schema"].startswith("driftcheck.report/")
+    for f in ("j.xml", "s.md", "r.html"):
+        assert (tmp_path / f).stat().st_size > 100
+    # a failing comparison: tight limit -> exit 1 and a first divergence line
+    p = dc("compare", str(ref), str(tgt), "--limit", "0.001")
+    assert p.returncode == 1
+    assert p.stdout.startswith("FAIL") and "first divergence:" in p.stdout
+    # report re-renders a saved JSON with the verdict's exit code
+    p = dc("report", str(out), "--html", str(tmp_path / "again.html"))
+    assert p.returncode == 0 and (tmp_path / "again.html").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["record", "no-such-model", "--out", "X"], "unknown model"),
+    (["record", "mlp", "--out", "X", "--dtype", "fp7"], "--dtype"),
+    (["record", "mlp", "--out", "X", "--device", "cuda"], "CUDA"),
+    (["record", "mlp", "--out", "X", "--device", "tpu"], "pip install 'driftcheck[tpu]'"),
+    (["record", "mlp", "--out", "X", "--device", "gpu"], "cuda"),
+    (["record", "nofile.py:build", "--out", "X"], "does not exist"),
+    (["compare", "missing-a", "missing-b"], "does not exist"),
+    (["report", "missing.json", "--html", "x.html"], "cannot read"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    line = one_line_error(dc(*args, cwd=tmp_path))
+    assert needle in line
+
+
+def test_existing_out_needs_force(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "something").write_text("x")
+    assert "--force" in one_line_error(dc("record", "mlp", "--out", str(tmp_path / "t")))
+    assert dc("record", "mlp", "--out", str(tmp_path / "t"), "--force").returncode == 0
+
+
+def test_incomplete_trace_is_refused(tmp_path, traces):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(traces["mlp"]["fp32"], broken)
+    (broken / "manifest.json").unlink()
+    line = one_line_error(dc("compare", str(traces["mlp"]["fp32"]), str(broken)))
+    assert "incomplete" in line
+
+
+def test_user_scenario_file(tmp_path):
+    f = tmp_path / "my_model.py"
+    f.write_text(
+        "import torch\nimport driftcheck\n\n"
+        "def build(seed=0):\n"
+        "    torch.manual_seed(seed)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "    xs = [torch.randn(5, 4) for _ in range(3)]\n"
+        "    return driftcheck.Scenario(model=model, inputs=xs, loss=lambda out, x: out.pow(2).mean(),\n"
+        "                               optimizer=lambda p: torch.optim.Adam(p, lr=1e-2), steps=3)\n"
+        "def wrong():\n    return 42\n"
+        "def boom():\n    raise RuntimeError('user code exploded')\n")
+    p = dc("record", f"{f}:build", "--out", str(tmp_path / "t"))
+    assert p.returncode == 0, p.stderr
+    from driftcheck.store import TraceReader
+
+    r = TraceReader(tmp_path / "t")
+    assert r.run["steps"] == 3 and {e["step"] for e in r.entries} == {0, 1, 2}
+    assert "driftcheck.Scenario" in one_line_error(dc("record", f"{f}:wrong", "--out", str(tmp_path / "w")))
+    assert "user code exploded" in one_line_error(dc("record", f"{f}:boom", "--out", str(tmp_path / "b")))
+    assert not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_run_one_shot_precision_what_if(tmp_path):
+    p = dc("run", "llama", "--target", "cpu", "--target-dtype", "bf16", "--out", str(tmp_path / "run"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for f in ("reference/manifest.json", "target/manifest.json", "report.json", "report.html"):
+        assert (tmp_path / "run" / f).exists(), f
+    rep = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert rep["target"]["dtype"] == "bfloat16" and rep["reference"]["dtype"] == "float32"
+    assert rep["reference"]["replay_id"] == rep["target"]["replay_id"]
+
+
+def test_replay_gives_bitwise_identical_start(traces):
+    from driftcheck.store import TraceReader
+
+    a, b = TraceReader(traces["vit"]["fp32"]), TraceReader(traces["vit"]["fp32b"])
+    ka = {(e["module"], e["slot"]): e for e in a.entries if e["phase"] == "params" and e["step"] == 0}
+    kb = {(e["module"], e["slot"]): e for e in b.entries if e["phase"] == "params" and e["step"] == 0}
+    assert ka.keys() == kb.keys() and ka
+    for k in ka:
+        assert torch.equal(a.tensor(ka[k]), b.tensor(kb[k]))
+    ia = [e for e in a.entries if e["phase"] == "forward" and e["module"] == "" and e["slot"].startswith("input")]
+    assert ia
+    for e in ia:
+        eb = next(x for x in b.entries if x["key"] == e["key"])
+        assert torch.equal(a.tensor(e), b.tensor(eb))
+    # the bf16 target starts from the same weights, cast
+    c = TraceReader(traces["vit"]["bf16"])
+    kc = {(e["module"], e["slot"]): e for e in c.entries if e["phase"] == "params" and e["step"] == 0}
+    for k in ka:
+        ta = a.tensor(ka[k])
+        if ta.is_floating_point():
+            assert torch.equal(ta.to(torch.bfloat16), c.tensor(kc[k]))

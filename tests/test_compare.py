@@ -1,0 +1,139 @@
+"""compare: zero drift on re-records, no false alarm from bf16, injected faults localized."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from driftcheck.compare import compare
+from driftcheck.loader import load_scenario
+from driftcheck.report import Report
+
+from conftest import BUILTINS, record_builtin
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.s, None
+
+
+def scale_output(name: str, s: float):
+    """Target-only fault: ``name``'s forward output times ``s`` (inside the module)."""
+    def hook(model):
+        mod = model.get_submodule(name)
+        orig = mod.forward
+        mod.forward = lambda *a, **k: orig(*a, **k) * s
+    return hook
+
+
+def scale_input_grad(name: str, s: float):
+    """Target-only fault: the gradient ``name`` sends back to its input is scaled by ``s``."""
+    def hook(model):
+        mod = model.get_submodule(name)
+        orig = mod.forward
+        mod.forward = lambda x, *a, **k: orig(_ScaleGrad.apply(x, s), *a, **k)
+    return hook
+
+
+def a_middle_linear(name: str) -> str:
+    lins = [n for n, m in load_scenario(name).model.named_modules() if isinstance(m, nn.Linear)]
+    return lins[len(lins) // 2]
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_fp32_rerecord_has_zero_drift(traces, name):
+    rep = compare(traces[name]["fp32"], traces[name]["fp32b"])
+    assert rep.verdict == "pass" and bool(rep)
+    assert rep.first_divergence is None
+    assert all(e.metrics.get("max_abs", 0.0) == 0.0 for e in rep.entries)
+    assert len(rep.entries) > 100
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_bf16_target_passes_and_drift_is_explained(traces, name):
+    rep = compare(traces[name]["fp32"], traces[name]["bf16"])
+    assert rep.verdict == "pass", rep.decided_by
+    judged = [e for e in rep.entries if e.ratio is not None]
+    # real bf16 drift exists and the floor explains it
+    assert max(e.metrics.get("rel_l2", 0) for e in judged if e.phase == "forward") > 1e-3
+    assert max(e.ratio for e in judged) < rep.limit / 2, "no margin left against the limit"
+    assert not [f for f in rep.findings if f.severity == "error"]
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_scaled_forward_output_is_localized(traces, name, tmp_path):
+    mod = a_middle_linear(name)
+    tgt = record_builtin(name, tmp_path / "t", replay=traces[name]["fp32"],
+                         target_hooks=scale_output(mod, 1.05))
+    rep = compare(traces[name]["fp32"], tgt)
+    assert rep.verdict == "fail"
+    fd = rep.first_divergence
+    assert (fd["module"], fd["phase"], fd["step"], fd["slot"]) == (mod, "forward", 0, "output")
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_wrong_gradient_is_localized(traces, name, tmp_path):
+    mod = a_middle_linear(name)
+    tgt = record_builtin(name, tmp_path / "t", replay=traces[name]["fp32"],
+                         target_hooks=scale_input_grad(mod, 1.05))
+    rep = compare(traces[name]["fp32"], tgt)
+    assert rep.verdict == "fail"
+    fd = rep.first_divergence
+    assert (fd["module"], fd["phase"], fd["slot"]) == (mod, "backward", "grad_input.0")
+    # the forward pass is untouched
+    assert all(e.status == "ok" for e in rep.entries if e.phase == "forward" and e.step == 0)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_bf16_target_with_a_real_fault_is_localized(traces, name, tmp_path):
+    mod = a_middle_linear(name)
+    tgt = record_builtin(name, tmp_path / "t", dtype="bf16", replay=traces[name]["fp32"],
+                         target_hooks=scale_output(mod, 1.25))
+    rep = compare(traces[name]["fp32"], tgt)
+    assert rep.verdict == "fail"
+    assert rep.first_divergence["module"] == mod
+
+
+def test_report_json_round_trip(traces):
+    rep = compare(traces["mlp"]["fp32"], traces["mlp"]["bf16"])
+    d = rep.to_dict()
+    import json
+
+    back = Report.from_dict(json.loads(json.dumps(d, allow_nan=False)))
+    assert back.verdict == rep.verdict and len(back.entries) == len(rep.entries)
+    assert {"schema", "verdict", "reference", "target", "first_divergence", "entries", "findings"} <= set(d)
+    e = d["entries"][0]
+    assert {"key", "module", "phase", "step", "call", "slot", "metrics", "floor", "ratio", "status"} <= set(e)
+
+
+def test_limit_override_flips_the_verdict(traces):
+    rep = compare(traces["llama"]["fp32"], traces["llama"]["bf16"], limit=1e-3)
+    assert rep.verdict == "fail"
+    assert rep.first_divergence is not None
+    assert "--limit" in rep.decided_by
+
+
+def test_integer_tensor_mismatch_is_exact(tmp_path):
+    """A wrong integer buffer (a BatchNorm counter) fails exactly, whatever the floor."""
+    from driftcheck.store import TraceReader, TraceWriter
+
+    def make(path, counter):
+        w = TraceWriter(path)
+        t = torch.tensor(counter)
+        w.add({"key": "0/params/bn/0/buffer.n", "module": "bn", "phase": "params", "step": 0,
+               "call": 0, "slot": "buffer.n", "order": 0, "shape": [], "dtype": "int64",
+               "stats": {"numel": 1, "l2": float(counter)}}, t)
+        w.close({"steps": 1})
+    make(tmp_path / "a", 1)
+    make(tmp_path / "b", 2)
+    rep = compare(tmp_path / "a", tmp_path / "b")
+    assert rep.verdict == "fail"
+    assert rep.entries[0].decided_by == "exact" and math.isinf(rep.entries[0].ratio)

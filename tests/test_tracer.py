@@ -1,0 +1,217 @@
+"""The tracer: what it captures, copies at hook time, call indices, and no effect on the numbers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from driftcheck.loader import load_scenario
+from driftcheck.rng import DropoutControl
+from driftcheck.runner import record, train
+from driftcheck.store import TraceReader
+from driftcheck.tracer import Tracer, flatten
+
+from conftest import BUILTINS
+
+
+class BnReluNet(nn.Module):
+    """Conv -> BatchNorm -> ReLU(inplace=True), the ResNet pattern that breaks full backward hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.relu(self.bn(self.conv(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class Twice(nn.Module):
+    """One Linear applied twice in a step: weight sharing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.shared(x)))
+
+
+def _scenario(model, x, loss=lambda out, b: out.pow(2).mean()):
+    from driftcheck import Scenario
+
+    return Scenario(model=model, inputs=x, loss=loss,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=1)
+
+
+def _by_key(reader):
+    return {(e["step"], e["phase"], e["module"], e["call"], e["slot"]): e for e in reader.entries}
+
+
+def test_round_trip_values_match_what_the_model_computed(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    x = torch.randn(4, 3)
+    expected_hidden = torch.tanh(model[0](x)).detach()
+    record(_scenario(model, x), tmp_path / "t", model_id="seq")
+    r = TraceReader(tmp_path / "t")
+    e = _by_key(r)
+    assert torch.equal(r.tensor(e[(0, "forward", "0", 0, "input.0")]), x)
+    assert torch.equal(r.tensor(e[(0, "forward", "1", 0, "output")]), expected_hidden)
+    stats = e[(0, "forward", "1", 0, "output")]["stats"]
+    assert stats["numel"] == 20 and stats["max"] == pytest.approx(float(expected_hidden.max()))
+    phases = {k[1] for k in e}
+    assert phases == {"params", "forward", "loss", "backward", "grads", "optimizer"}
+    # parameter before and after the step differ by exactly lr * grad
+    w0 = r.tensor(e[(0, "params", "0", 0, "param.weight")])
+    g = r.tensor(e[(0, "grads", "0", 0, "param.weight")])
+    w1 = r.tensor(e[(0, "optimizer", "0", 0, "param.weight")])
+    assert torch.equal(w1, w0 - 0.1 * g)
+
+
+def test_bn_then_inplace_relu_output_is_copied_at_hook_time(tmp_path):
+    torch.manual_seed(0)
+    record(_scenario(BnReluNet(), torch.randn(2, 3, 6, 6)), tmp_path / "t", model_id="bnrelu")
+    r = TraceReader(tmp_path / "t")
+    e = _by_key(r)
+    bn_out = r.tensor(e[(0, "forward", "bn", 0, "output")])
+    relu_out = r.tensor(e[(0, "forward", "relu", 0, "output")])
+    assert bn_out.min() < 0, "the BatchNorm output must keep its negative values"
+    assert relu_out.min() == 0
+    assert torch.equal(relu_out, bn_out.clamp(min=0))
+    # backward through the in-place ReLU: both the grad w.r.t. its output and its input
+    g_in = r.tensor(e[(0, "backward", "relu", 0, "grad_input.0")])
+    g_out = r.tensor(e[(0, "backward", "relu", 0, "grad_output")])
+    assert torch.equal(g_in, g_out * (bn_out > 0))
+    assert (0, "backward", "bn", 0, "grad_input.0") in e
+
+
+def test_module_called_twice_gets_call_indices(tmp_path):
+    torch.manual_seed(0)
+    record(_scenario(Twice(), torch.randn(3, 4)), tmp_path / "t", model_id="twice")
+    e = _by_key(TraceReader(tmp_path / "t"))
+    for call in (0, 1):
+        assert (0, "forward", "shared", call, "output") in e
+        assert (0, "backward", "shared", call, "grad_output") in e
+    # the model input needs no gradient; the second call's input (tanh of the first) does
+    assert (0, "backward", "shared", 0, "grad_input.0") not in e
+    assert (0, "backward", "shared", 1, "grad_input.0") in e
+    assert (0, "forward", "shared", 2, "output") not in e
+    assert e[(0, "forward", "shared", 1, "input.0")]["order"] > e[(0, "forward", "shared", 0, "output")]["order"]
+
+
+def test_grad_input_is_the_modules_own_contribution(tmp_path):
+    """x feeds two branches; each branch's grad_input is its part, not the sum."""
+
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+            self.pre = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.pre(x)
+            return self.a(h) + 2 * self.b(h)
+
+    torch.manual_seed(0)
+    m = Branches()
+    x = torch.randn(2, 3)
+    record(_scenario(m, x, loss=lambda out, b: out.sum()), tmp_path / "t", model_id="br")
+    r = TraceReader(tmp_path / "t")
+    e = _by_key(r)
+    ga = r.tensor(e[(0, "backward", "a", 0, "grad_input.0")])
+    gb = r.tensor(e[(0, "backward", "b", 0, "grad_input.0")])
+    w_a = r.tensor(e[(0, "params", "a", 0, "param.weight")])
+    w_b = r.tensor(e[(0, "params", "b", 0, "param.weight")])
+    assert torch.allclose(ga, torch.ones(2, 3) @ w_a)
+    assert torch.allclose(gb, 2 * torch.ones(2, 3) @ w_b)
+    g_pre_out = r.tensor(e[(0, "backward", "pre", 0, "grad_output")])
+    assert torch.allclose(g_pre_out, ga + gb)
+
+
+def test_nested_structures_and_none_are_flattened():
+    out = {"logits": torch.ones(2), "aux": None, "pkv": ((torch.zeros(1), torch.ones(1)),), "n": 3}
+    slots = [s for s, _ in flatten(out, "output")]
+    assert slots == ["output.logits", "output.pkv.0.0", "output.pkv.0.1"]
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_traced_equals_untraced_bitwise(name, dtype, tmp_path):
+    """Same scenario, same seed: loss, outputs and updated parameters are bitwise equal."""
+    from driftcheck.runner import parse_dtype
+    from driftcheck.store import TraceWriter
+
+    results, states = [], []
+    for traced in (False, True):
+        sc = load_scenario(name, 0)
+        torch.manual_seed(0)
+        model = sc.model.to(parse_dtype(dtype))
+        opt = sc.optimizer(model.parameters())
+        batches = [sc.batch(i) for i in range(sc.steps)]
+        tracer = None
+        if traced:
+            writer = TraceWriter(tmp_path / "t", force=True)
+            tracer = Tracer(model, writer, optimizer=opt).attach()
+        res = train(model, batches, sc, opt, device=torch.device("cpu"), dtype=parse_dtype(dtype),
+                    dropout=DropoutControl(0), tracer=tracer)
+        if tracer is not None:
+            tracer.detach()
+            assert len(writer.entries) > 50
+        results.append(res)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for a, b in zip(*results):
+        assert torch.equal(a["loss"], b["loss"])
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_every_builtin_records_all_phases(traces, name):
+    for dtype in ("fp32", "bf16"):
+        r = TraceReader(traces[name][dtype])
+        phases = {e["phase"] for e in r.entries}
+        assert phases == {"params", "forward", "loss", "backward", "grads", "optimizer"}, dtype
+        assert r.run["steps"] == 2
+        modules = {e["module"] for e in r.entries if e["phase"] == "backward"}
+        assert len(modules) >= 5
+        assert any(e["slot"].startswith("grad_input") for e in r.entries)
+        dt = {e["dtype"] for e in r.entries if e["phase"] == "forward" and e["slot"] == "output"}
+        assert dt == {"float32" if dtype == "fp32" else "bfloat16"}
+
+
+def test_huggingface_model_output_is_captured(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from driftcheck import Scenario
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=32, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    sc = Scenario(model=model, inputs=batch, loss=lambda out, b: out.loss,
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), steps=1)
+    record(sc, tmp_path / "t", model_id="hf-llama")
+    e = _by_key(TraceReader(tmp_path / "t"))
+    assert (0, "forward", "", 0, "output.logits") in e
+    assert (0, "forward", "", 0, "output.loss") in e
+    assert (0, "forward", "", 0, "input.input_ids") in e
+    assert (0, "backward", "model.layers.0.self_attn.q_proj", 0, "grad_input.0") in e
+    assert (0, "forward", "model.layers.0.self_attn", 0, "input.hidden_states") in e
+
+
+def test_dropout_masks_are_reproducible_across_runs(traces):
+    """mlp has dropout: two fp32 records from the same replay are bitwise identical."""
+    a, b = TraceReader(traces["mlp"]["fp32"]), TraceReader(traces["mlp"]["fp32b"])
+    eb = _by_key(b)
+    for e in a.entries:
+        t = b.tensor(eb[(e["step"], e["phase"], e["module"], e["call"], e["slot"])])
+        assert torch.equal(a.tensor(e), t), e["key"]
