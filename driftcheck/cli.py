@@ -129,15 +129,21 @@ def models(obj: _Ctx) -> None:
 @click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
               help="Emulated fp8 training of Linear layers (torch._scaled_mm).")
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
+              help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
+                   "in OUT/rank-N (see docs/performance.md).")
 @click.option("--local", "local", type=click.Path(), default=None,
               help="Also rerun every leaf module on this reference's inputs (use with --replay REF): "
                    "compare then separates each module's own error from what it inherits.")
+@click.option("--simulate", type=click.Choice(["views-become-copies", "drop-view-writes", "skip-bn-stats"]),
+              default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
 @click.pass_obj
 def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, fp8: str | None,
-           view_audit: bool, local: str | None) -> None:
+           view_audit: bool, local: str | None, simulate: str | None,
+           parallel: str | None) -> None:
     """Record MODEL's training steps into a trace directory.
 
     MODEL is a built-in name (driftcheck models), hf:<family>, hf:PATH,
@@ -149,7 +155,9 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     devices.prepare_environment(dev_type)
     if steps is not None and steps < 1:
         raise DriftcheckError(f"--steps must be at least 1, got {steps}")
-    if Path(out).exists() and not force and (not Path(out).is_dir() or any(Path(out).iterdir())):
+    # With --parallel each rank checks its own OUT/rank-N (the ranks create them concurrently).
+    if not parallel and Path(out).exists() and not force \
+            and (not Path(out).is_dir() or any(Path(out).iterdir())):
         raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it or choose "
                               "another directory")
     from driftcheck.runner import parse_dtype
@@ -164,23 +172,38 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     from driftcheck.runner import record as do_record
 
     scenario = load_scenario(model, seed)
-    progress = _progress(obj)
-    with progress as p:
-        task = p.add_task(f"recording {model} on {device} {dtype}", total=steps or scenario.steps)
-        do_record(scenario, out, device=torch_device, dtype=dtype, steps=steps, seed=seed,
-                  replay=replay, mode=mode, force=force, model_id=model, include=include,
-                  exclude=exclude, full_modules=full_modules, phases=_phases(phases),
-                  capture_steps=_ranges(capture_steps), transfer=transfer, autocast=autocast,
-                  fp8=fp8, view_audit=view_audit, local=local,
-                  on_step=lambda i, n: p.update(task, completed=i, total=n))
+    if parallel:
+        from driftcheck import distributed
+
+        if fp8 or local or simulate or view_audit:
+            raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
+                                  "--simulate and --view-audit, or record a single process")
+        out = str(distributed.record_rank(
+            scenario, out, parallel=parallel, device=torch_device, dtype=dtype, steps=steps,
+            seed=seed, replay=replay, mode=mode, force=force, model_id=model, include=include,
+            exclude=exclude, full_modules=full_modules, phases=_phases(phases),
+            capture_steps=_ranges(capture_steps), transfer=transfer, autocast=autocast))
+    else:
+        progress = _progress(obj)
+        with progress as p:
+            task = p.add_task(f"recording {model} on {device} {dtype}", total=steps or scenario.steps)
+            do_record(scenario, out, device=torch_device, dtype=dtype, steps=steps, seed=seed,
+                      replay=replay, mode=mode, force=force, model_id=model, include=include,
+                      exclude=exclude, full_modules=full_modules, phases=_phases(phases),
+                      capture_steps=_ranges(capture_steps), transfer=transfer, autocast=autocast,
+                      fp8=fp8, view_audit=view_audit, local=local, simulate=simulate,
+                      on_step=lambda i, n: p.update(task, completed=i, total=n))
     if not obj.quiet:
         from driftcheck.store import TraceReader
 
         reader = TraceReader(out)
         click.echo(f"recorded {len(reader.entries)} tensors over {reader.run['steps']} step(s) "
                    f"into {out}")
+        seen: dict[tuple[str, str], int] = {}
         for f in reader.manifest.get("findings", []):
-            click.echo(f"finding {f['kind']} {f['module']}: {f['message']}")
+            seen[(f["kind"], f["module"])] = seen.get((f["kind"], f["module"]), 0) + 1
+        for (kind, module), n in seen.items():
+            click.echo(f"finding {kind} in {module or '(model)'} ({n} call(s)); driftcheck compare shows it")
 
 
 def _progress(obj: _Ctx) -> Any:
@@ -247,8 +270,14 @@ def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: st
     from driftcheck.compare import compare as do_compare
     from driftcheck.policy import Policy
 
+    from driftcheck import distributed
+
     policy = Policy.load(policy_path, search_dir=".")
-    report = do_compare(ref, target, policy=policy, limit=limit, truth=truth)
+    if distributed.is_multirank(ref) or distributed.is_multirank(target):
+        # Run directories of a torchrun record (rank-0, rank-1, ...): rank by rank, one verdict.
+        report = distributed.compare_ranks(ref, target, policy=policy, limit=limit, truth=truth)
+    else:
+        report = do_compare(ref, target, policy=policy, limit=limit, truth=truth)
     _finish(obj, report, top, json_path, html_path, junit_path, md_path)
 
 

@@ -137,7 +137,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
            phases: Iterable[str] | None = None, capture_steps: Iterable[int] | None = None,
            transfer: str = "batched", autocast: str | None = None, fp8: str | None = None,
            local: str | os.PathLike | None = None, view_audit: bool = False,
-           on_step: Callable[[int, int], None] | None = None,
+           simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
            target_hooks: Callable[[nn.Module], Any] | None = None) -> Path:
     """Record ``scenario`` into the trace directory ``out``; returns its path.
 
@@ -242,8 +242,12 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
 
             tracer.audit = audit_ctx = ViewAudit(lambda: tracer.current_module,
                                                  lambda: tracer.step_index)
+        fault_ctx: Any = contextlib.nullcontext()
+        if simulate:
+            fault_ctx = simulated_backend(simulate)
         try:
-            with audit_ctx:
+            # the fault outside the audit, so the audit sees what the faulty backend does
+            with fault_ctx, audit_ctx:
                 train(model, batches, scenario, optimizer, device=device, dtype=tdtype,
                       dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
                       on_step=on_step, model_id=model_id)
@@ -260,6 +264,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                            dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
                            seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
                            replay_id=replay_id, replay_of=str(replay) if replay else None,
+                           simulated_backend=simulate,
                            autocast=autocast, fp8=fp8,
                            local_of=str(local) if local is not None else None,
                            capture={"include": list(include or []), "exclude": list(exclude or []),
@@ -332,6 +337,24 @@ def _user_code(name: str, what: str, step: int) -> Any:
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
                               "(fix the model code; --debug shows the traceback)") from e
+
+
+SIMULATIONS = {
+    "views-become-copies": "view ops return copies (a backend that lost aliasing)",
+    "drop-view-writes": "in-place writes through views do not reach their base",
+    "skip-bn-stats": "BatchNorm never updates running_mean/var in training (torch_tpu 0.2.0)",
+}
+
+
+def simulated_backend(name: str) -> Any:
+    """A simulated faulty backend (driftcheck/simulate.py) for checking the audits end to end."""
+    from driftcheck import simulate as sim
+
+    makers = {"views-become-copies": sim.views_become_copies, "drop-view-writes": sim.drop_view_writes,
+              "skip-bn-stats": sim.skip_batchnorm_stat_updates}
+    if name not in makers:
+        raise DriftcheckError(f"unknown --simulate {name!r}: choose one of {', '.join(makers)}")
+    return makers[name]()
 
 
 def _autocast(device: torch.device, autocast: str | None):

@@ -5,6 +5,7 @@ The stats of many tensors are stacked into one small tensor so a step needs one 
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 
 import numpy as np
@@ -87,6 +88,7 @@ def to_dict(vec: list[float]) -> dict[str, float | int]:
 # -- many tensors at once ---------------------------------------------------------------------
 SAMPLE_SIZE = 512  # elements kept per tensor in stats mode, at the same indices on both runs
 GROUP_ELEMS = 1 << 22  # elements summarised together: bounds the float64 working memory
+BIG = 1 << 16  # host tensors this large are summarised one by one, without a float64 copy
 
 
 def sample_indices(key: str, numel: int, seed: int) -> np.ndarray:
@@ -114,6 +116,12 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
     samples: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
+        if t.numel() >= BIG and t.device.type == "cpu" and t.dtype not in _FP8 and t.is_floating_point():
+            rows[i] = _large_stats(t)
+            if sample_keys[i] is not None:
+                idx = sample_indices(sample_keys[i], t.numel(), seed)
+                samples[i] = t.reshape(-1)[torch.from_numpy(idx)]
+            continue
         if t.numel() == 0 or t.is_complex():
             rows[i] = stats_vector(t)
             if sample_keys[i] is not None:
@@ -144,6 +152,28 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
         return torch.zeros((0, len(COLUMNS)), dtype=torch.float64), []
     acc = rows[0].dtype  # type: ignore[union-attr]
     return torch.stack([r.to(acc) for r in rows]), samples  # type: ignore[union-attr]
+
+
+def _large_stats(t: torch.Tensor) -> torch.Tensor:
+    """One large host tensor in ~4 passes over its own dtype, no float64 copy (torch's CPU
+    variance is Welford's in double). Any NaN/Inf shows in the sum, norm, min or max, and then
+    the masking float64 path decides."""
+    x = t.detach().reshape(-1)
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # torch.std of a half tensor returns a half: keep the summary exact
+    # Cascade (pairwise) sums in the tensor's dtype: relative error ~1e-7 in float32, plenty
+    # for a summary, at a third of the cost of a float64 accumulation.
+    s = x.sum().double()
+    l2 = torch.linalg.vector_norm(x).double()
+    mn, mx = torch.aminmax(x)
+    if not all(math.isfinite(float(v)) for v in (s, l2, mn, mx)):
+        return stats_vector(t)  # NaN/Inf (or a float32 overflow): the exact float64 path
+    n = x.numel()
+    std = torch.std(x, correction=0).double()
+    mn, mx = mn.double(), mx.double()
+    nan = float("nan")
+    return torch.stack([mn, mx, s / n, std, torch.maximum(mn.abs(), mx.abs()), l2,
+                        *torch.tensor([0.0, 0.0, float(n), nan, nan], dtype=torch.float64)])
 
 
 def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int

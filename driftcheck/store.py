@@ -414,6 +414,26 @@ class TraceReader:
         self._map_lock = threading.Lock()
         for shard in self.manifest["shards"]:
             self._shard_path(shard)  # refuse links/escapes up front
+        self._check_shards()
+
+    def _check_shards(self) -> None:
+        """Hold the manifest to the shards' own headers before any tensor is read: every
+        referenced tensor exists with the declared shape and dtype. Headers only (their sizes
+        checked against the file first), so this costs no tensor reads and no allocation
+        from a size the files declare."""
+        for e in self.entries:
+            for which in ("tensor", "sample"):
+                ref = e.get(which)
+                if ref is None:
+                    continue
+                info = self._mapped(ref["shard"]).tensors.get(ref["name"])
+                if info is None:
+                    raise TraceError(f"shard {self.dir / ref['shard']} has no tensor {ref['name']!r} "
+                                     f"(entry {e['key']}); the trace is corrupt")
+                dtype, shape = str(info[0]).replace("torch.", ""), info[1]
+                if which == "tensor" and (shape != list(e["shape"]) or dtype != e["dtype"]):
+                    raise TraceError(f"entry {e['key']}: the manifest says {e['dtype']} {e['shape']}, "
+                                     f"shard {ref['shard']} holds {dtype} {shape}; the trace is corrupt")
 
     def _shard_path(self, shard: str) -> Path:
         fmt.check_shard_name(shard)

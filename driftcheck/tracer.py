@@ -468,6 +468,10 @@ class Tracer:
     def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
                  extra: dict[str, Any] | None = None, copy: bool = True,
                  dev_meta: dict[str, torch.Tensor] | None = None) -> None:
+        if hasattr(t, "placements") and hasattr(t, "to_local"):
+            # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
+            # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
+            t = t.to_local()
         key = fmt.Key(self.step_index, phase, module, call, slot)
         skey = str(key)
         if skey in self._keys_this_step():

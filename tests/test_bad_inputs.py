@@ -2,7 +2,7 @@
 
 Every user-facing failure is exit code 2 with one line on stderr (what, where, how to fix) and no
 traceback. The catalogue below is the table in docs/bad-inputs.md: each case asserts that its
-exact message (temp paths replaced by REF/TARGET/TMP) is the one the doc lists. After changing a
+exact message (temp paths replaced by TRACE/REF/TMP) is the one the doc lists. After changing a
 message, regenerate the table with ``DRIFTCHECK_UPDATE_DOCS=1 pytest tests/test_bad_inputs.py``.
 """
 from __future__ import annotations
@@ -168,6 +168,27 @@ def loss_detached(seed=0):
     return Scenario(model=Tiny(), inputs=torch.randn(5, 4), loss=lambda o, b: o.detach().sum())
 
 
+def kind_flip(seed=0):  # a target whose output turns complex where the reference is real
+    class Flip(Tiny):
+        def forward(self, x):
+            y = super().forward(x)
+            return y.to(torch.complex64) if y.dtype == torch.bfloat16 else y
+    torch.manual_seed(seed)
+    return Scenario(model=Flip(), inputs=torch.randn(5, 4))
+
+
+def fails_later(seed=0):  # the forward fails at step 1, after step 0 was captured
+    class Flaky(Tiny):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().forward(x)
+    torch.manual_seed(seed)
+    return Scenario(model=Flaky(), inputs=[torch.randn(5, 4), torch.randn(5, 4)], loss=_mse,
+                    optimizer=_sgd, steps=2)
+
+
 def slow(seed=0):  # for the interrupt tests: many slow steps
     class Slow(Tiny):
         def forward(self, x):
@@ -221,7 +242,7 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> str:
     assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
     line = lines[0]
     assert line.startswith("driftcheck: "), line
-    assert "Traceback" not in err and "unexpected" not in line, line
+    assert "Traceback" not in err and "report it" not in line, line  # not an "unexpected" crash
     for n in needles:
         assert n in line, f"{n!r} not in {line!r}"
     return line
@@ -261,6 +282,10 @@ def _edit(fn: Callable[[dict], None]) -> Callable[[Path], None]:
 
 def _first_tensor_entry(m: dict) -> dict:
     return next(e for e in m["entries"] if "tensor" in e and e["shape"])
+
+
+def _first_forward_entry(m: dict) -> dict:
+    return next(e for e in m["entries"] if "tensor" in e and e["phase"] == "forward")
 
 
 def _shard(d: Path) -> Path:
@@ -368,6 +393,7 @@ class Case:
     args: Callable[[dict[str, Path], Path], list] | None = None  # default: compare REF COPY
     needle: str = ""  # a word the message must contain
     group: str = "trace files"
+    base: str = "tgt"  # which trace the case starts from ("ref" has the replay file)
 
 
 def _cmp(env: dict[str, Path], copy: Path) -> list:
@@ -452,22 +478,22 @@ CASES = [
          args=lambda e, c: ["record", f"{e['scen']}:build", "--out", c.parent / "o", "--replay",
                             c.parent / "nowhere"], needle="not a trace directory", group="replay"),
     Case("--replay trace without replay.safetensors", mutate=_remove("replay.safetensors"),
-         args=_replay_from, needle="replay.safetensors is missing", group="replay"),
-    Case("--replay from an interrupted reference", mutate=_incomplete, args=_replay_from,
+         args=_replay_from, base="ref", needle="replay.safetensors is missing", group="replay"),
+    Case("--replay from an interrupted reference", mutate=_incomplete, args=_replay_from, base="ref",
          needle="incomplete trace", group="replay"),
     Case("truncated replay.safetensors", mutate=lambda d: _truncate(d / "replay.safetensors", 0.5),
-         args=_replay_from, needle="not a readable replay file", group="replay"),
+         args=_replay_from, base="ref", needle="not a readable replay file", group="replay"),
     Case("replay.safetensors with a corrupt header",
-         mutate=lambda d: _flip(d / "replay.safetensors", 8, 4), args=_replay_from,
+         mutate=lambda d: _flip(d / "replay.safetensors", 8, 4), args=_replay_from, base="ref",
          needle="not a readable replay file", group="replay"),
     Case("replay.safetensors without driftcheck metadata",
          mutate=lambda d: __import__("safetensors.torch").torch.save_file(
              {"x": __import__("torch").zeros(2)}, str(d / "replay.safetensors")),
-         args=_replay_from, needle="no driftcheck replay metadata", group="replay"),
+         args=_replay_from, base="ref", needle="no driftcheck replay metadata", group="replay"),
     Case("replay.safetensors that is a symlink",
          mutate=lambda d: (shutil.move(d / "replay.safetensors", d.parent / f"{d.name}-r"),
                            (d / "replay.safetensors").symlink_to(d.parent / f"{d.name}-r")),
-         args=_replay_from, needle="not a plain file", group="replay"),
+         args=_replay_from, base="ref", needle="not a plain file", group="replay"),
     Case("--replay of a different model",
          args=lambda e, c: ["record", f"{e['scen']}:other", "--out", c.parent / "o", "--replay",
                             e["ref"]], needle="different model", group="replay"),
@@ -560,10 +586,10 @@ CASES = [
          mutate=lambda d: _rewrite_shard_header(d, _overlapping_offsets), needle="disagrees with its shape",
          group="shards"),
     Case("manifest shape that disagrees with the shard",
-         mutate=_edit(lambda m: _first_tensor_entry(m).update(shape=[99, 99])),
+         mutate=_edit(lambda m: _first_forward_entry(m).update(shape=[99, 99])),
          needle="the trace is corrupt", group="shards"),
     Case("manifest dtype that disagrees with the shard",
-         mutate=_edit(lambda m: _first_tensor_entry(m).update(dtype="int32")),
+         mutate=_edit(lambda m: _first_forward_entry(m).update(dtype="int32")),
          needle="the trace is corrupt", group="shards"),
     Case("manifest naming a tensor the shard lacks",
          mutate=_edit(lambda m: _first_tensor_entry(m)["tensor"].update(name="nope")),
@@ -606,7 +632,8 @@ _RESULTS: dict[str, tuple[str, str]] = {}
 
 def _normalise(line: str, env: dict[str, Path], copy: Path) -> str:
     line = line.removeprefix("driftcheck: ")
-    for path, name in ((copy, "TARGET"), (env["ref"], "REF"), (env["scen"], "SCENARIOS.py")):
+    for path, name in ((copy, "TRACE"), (copy.parent, "TMP"), (env["ref"], "REF"),
+                       (env["scen"], "SCENARIOS.py")):
         line = line.replace(str(path), name)
     line = line.replace(str(env["root"]), "TMP")
     return re.sub(r"\(line \d+ column \d+ \(char \d+\)\)", "(line L column C (char N))", line)
@@ -619,7 +646,7 @@ def _doc_cell(msg: str) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_catalogue(case: Case, env2, tmp_path, capsys):
     copy = tmp_path / "target"
-    shutil.copytree(env2["tgt"], copy)
+    shutil.copytree(env2[case.base], copy)
     if case.mutate is not None:
         case.mutate(copy)
     args = (case.args or _cmp)(env2, copy)
@@ -705,6 +732,19 @@ def test_nan_in_the_reference_is_reported_not_a_crash(env, tmp_path, capsys):
     assert "nonfinite.reference" in out
 
 
+def test_real_versus_complex_output_is_a_finding_not_a_crash(env, tmp_path, capsys):
+    scen = env["scen"]
+    ref, tgt = tmp_path / "ref", tmp_path / "tgt"
+    assert run_cli(["record", f"{scen}:kind_flip", "--out", ref], capsys)[0] == 0
+    assert run_cli(["record", f"{scen}:kind_flip", "--out", tgt, "--replay", ref, "--dtype", "bf16"],
+                   capsys)[0] == 0
+    code, _, err = run_cli(["compare", ref, tgt, "--json", tmp_path / "r.json"], capsys)
+    assert code == 1 and not err.strip(), err
+    kinds = [f for f in json.loads((tmp_path / "r.json").read_text())["findings"]
+             if f["kind"] == "alignment.dtype_mismatch"]
+    assert kinds and "complex64" in kinds[0]["message"]
+
+
 @pytest.mark.parametrize("fn", ["empty_inference", "frozen_inference"])
 def test_models_without_training_record_inference_only(env, tmp_path, capsys, fn):
     out = tmp_path / "t"
@@ -714,14 +754,16 @@ def test_models_without_training_record_inference_only(env, tmp_path, capsys, fn
     assert phases <= {"params", "forward"} and "forward" in phases
 
 
-def test_html_report_escapes_hostile_module_names(env, tmp_path, capsys):
+def test_html_report_escapes_hostile_module_names(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # wide enough that the terminal table wraps no key
     scen = env["scen"]
     ref, tgt, html = tmp_path / "ref", tmp_path / "tgt", tmp_path / "r.html"
     assert run_cli(["record", f"{scen}:hostile", "--out", ref], capsys)[0] == 0
     assert run_cli(["record", f"{scen}:hostile", "--out", tgt, "--replay", ref, "--dtype", "bf16"],
                    capsys)[0] == 0
     # --limit tiny: every entry fails, so every module name reaches the tables and details.
-    code, out, err = run_cli(["compare", ref, tgt, "--html", html, "--limit", "1e-12"], capsys)
+    code, out, err = run_cli(["compare", ref, tgt, "--html", html, "--limit", "1e-12", "--top", "100"],
+                             capsys)
     assert code == 1, err
     assert "[/]x[bold red]y" in out  # rich markup in a name is printed as text, not parsed
     page = html.read_text()
@@ -729,9 +771,10 @@ def test_html_report_escapes_hostile_module_names(env, tmp_path, capsys):
                     "<img src=x onerror=alert(3)>", "q\"'&amp;"):
         assert payload not in page, payload
     # Present, but only as text: HTML-escaped in the page, \u-escaped in the embedded JSON.
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
-    assert "&lt;img src=x onerror=alert(3)&gt;" in page
-    assert "\\u003cscript\\u003ealert(1)" in page or "\\u003cscript>alert(1)" in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # the first divergence's module
+    for payload in ("<script>alert(1)</script>", "<img src=x onerror=alert(3)>"):
+        as_json = payload.replace("<", "\\u003c").replace(">", "\\u003e")  # entry table data
+        assert as_json in page, as_json
     # The only script elements are the report's own.
     scripts = re.findall(r"<script\b[^>]*>", page)
     assert all("alert" not in s for s in scripts) and page.count("alert(") >= 3

@@ -140,7 +140,7 @@ def test_a_real_file_size_limit_fails_the_record_with_exit_2_and_no_manifest(tmp
     assert not (out / "manifest.json").exists() and (out / INCOMPLETE).exists()
 
 
-def test_chunks_refuse_a_shard_whose_header_lies(tmp_path):
+def test_a_shard_whose_header_points_outside_the_file_is_refused(tmp_path):
     t = torch.arange(100.0)
     with TraceWriter(tmp_path / "t") as w:
         w.add(_entry(0, t), t)
@@ -151,10 +151,9 @@ def test_chunks_refuse_a_shard_whose_header_lies(tmp_path):
     header = json.loads(raw[8:8 + n])
     name = next(k for k in header if k != "__metadata__")
     header[name]["data_offsets"][1] = 999  # was 400: now past the end of the file
-    new = json.dumps(header).encode()
+    new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (n - len(new))
     assert len(new) == n
     shard.write_bytes(raw[:8] + new + raw[8 + n:])
-    r = TraceReader(tmp_path / "t")
     with pytest.raises(TraceError, match="outside the file"):
-        list(r.chunks(r.entries[0]))
+        TraceReader(tmp_path / "t")  # shard headers are checked when the trace is opened

@@ -46,10 +46,17 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
         table.add_row(escape(e.key), _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")),
                       _g(m.get("max_ulp")), e.status)
     console.print(table)
-    for f in report.findings:
-        color = "red" if f.severity == "error" else "yellow"
-        console.print(f"[{color}]{escape(f.kind)}[/] {escape(f.module or '(model)')}"
-                      + (f" step {f.step}" if f.step is not None else "") + f": {escape(f.message)}",
+    groups: dict[tuple[str, str, str], list] = {}
+    for f in report.findings:  # one line per kind and module; the steps listed
+        groups.setdefault((f.kind, f.module, f.severity), []).append(f)
+    for (kind, module, severity), fs in groups.items():
+        color = "red" if severity == "error" else "yellow"
+        steps = sorted({f.step for f in fs if f.step is not None})
+        msg = fs[0].message
+        if module and msg.startswith(module + ": "):
+            msg = msg[len(module) + 2:]
+        where = f" step{'s' if len(steps) > 1 else ''} {','.join(map(str, steps))}" if steps else ""
+        console.print(f"[{color}]{escape(kind)}[/] {escape(module or '(model)')}{where}: {escape(msg)}",
                       highlight=False, soft_wrap=True)
     for w in report.warnings:
         console.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
