@@ -69,16 +69,20 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def disk_write_bandwidth(directory: Path, nbytes: int, block: int = 8 << 20) -> float:
-    """Sequential write bandwidth (bytes/s) of ``nbytes`` to a file in ``directory``, fsync
-    included: what ``dd if=/dev/zero of=F bs=8M conv=fsync`` measures."""
-    buf = memoryview(os.urandom(block))  # random: no filesystem compresses it away
+def disk_write_bandwidth(directory: Path, buffers: list[torch.Tensor]) -> float:
+    """Sequential write bandwidth (bytes/s) of ``buffers`` (the same bytes a trace holds) into a
+    new file in ``directory``, fsync included: what ``dd bs=16M conv=fsync`` measures. The same
+    data and fresh files, as the trace writer gets: virtual disks treat zeros, repeated blocks
+    and overwrites very differently from new data."""
     fd, path = tempfile.mkstemp(dir=directory, prefix="disk-bw-")
+    nbytes = 0
     try:
         t0 = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[:min(block, left)])
+        for b in buffers:
+            mv = memoryview(b.reshape(-1).view(torch.uint8).numpy())
+            nbytes += mv.nbytes
+            while mv.nbytes:
+                mv = mv[os.write(fd, mv):]
         os.fsync(fd)
         dt = time.perf_counter() - t0
     finally:

@@ -77,8 +77,9 @@ class Case:
 
 
 class Bench:
-    def __init__(self, work: Path, local: bool = True, truth: bool = True) -> None:
-        self.work, self.local, self.truth = work, local, truth
+    def __init__(self, work: Path, local: bool = True, truth: bool = True,
+                 limit: float | None = None) -> None:
+        self.work, self.local, self.truth, self.limit = work, local, truth, limit
 
     def _record(self, model: str, out: Path, dtype: str, hooks: Callable | None = None,
                 threads: int | None = None, mode: Any = None, local: bool = True) -> Path:
@@ -112,7 +113,8 @@ class Bench:
 
     def _compare(self, model: str, target: Path) -> Report:
         d = self.work / model
-        return compare(d / "ref", target, truth=(d / "truth") if self.truth else None)
+        return compare(d / "ref", target, truth=(d / "truth") if self.truth else None,
+                       limit=self.limit)
 
     def floor_and_rms(self, module: str, phase: str, slot: str) -> tuple[float, float]:
         key = (0, phase, module, 0, slot)
@@ -190,7 +192,7 @@ def cases_for(bench: Bench, model: str, quick: bool) -> list[tuple[Case, dict[st
     if s["dropout"]:
         out.append((Case(model, "e", "other dropout mask", s["dropout"], ("forward", "output")),
                     {"hooks": faults.other_dropout_mask(s["dropout"])}))
-    out.append((Case(model, "f", "overflow x1e38", s["overflow"], ("forward", "output")),
+    out.append((Case(model, "f", "overflow to Inf", s["overflow"], ("forward", "output")),
                 {"hooks": faults.overflow(s["overflow"])}))
     out.append((Case(model, "control", "fp32 vs bf16", None), {}))
     out.append((Case(model, "control", "threads 2 vs 1 (fp32)", None), {"dtype": "fp32", "threads": 1}))
@@ -200,10 +202,11 @@ def cases_for(bench: Bench, model: str, quick: bool) -> list[tuple[Case, dict[st
 
 
 def run(models: tuple[str, ...], quick: bool, work: Path, local: bool = True,
-        truth: bool = True, log: Callable[[str], None] = print) -> list[Case]:
+        truth: bool = True, limit: float | None = None,
+        log: Callable[[str], None] = print) -> list[Case]:
     """Run the benchmark; returns every case (``summarize`` makes the table)."""
     torch.set_num_threads(2)
-    bench = Bench(work, local=local, truth=truth)
+    bench = Bench(work, local=local, truth=truth, limit=limit)
     results: list[Case] = []
     for model in models:
         t0 = time.perf_counter()
@@ -286,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated built-in models")
     ap.add_argument("--no-local", action="store_true", help="without local replay (propagated error only)")
     ap.add_argument("--no-truth", action="store_true", help="without the float64 truth run")
+    ap.add_argument("--limit", type=float, default=None, help="ratio limit (default: the policy's)")
     ap.add_argument("--work", default=None, help="where traces go (default: a temporary directory)")
     ap.add_argument("--json", default=None, help="write every case as JSON here")
     args = ap.parse_args(argv)
@@ -293,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="driftcheck-bench-") as tmp:
         work = Path(args.work or tmp)
-        results = run(models, args.quick, work, local=not args.no_local, truth=not args.no_truth)
+        results = run(models, args.quick, work, local=not args.no_local, truth=not args.no_truth,
+                      limit=args.limit)
     print()
     print(summarize(results))
     print(f"\n{len(results)} cases, {time.perf_counter() - t0:.0f} s total, "

@@ -371,8 +371,13 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
     for spec in (ref_device, tgt_device):
         devices.parse_device(spec)
     out_dir = Path(out)
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not force:
+            raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it")
+        known = {"reference", "target", "truth", "report.json", "report.html"}
+        if not {c.name for c in out_dir.iterdir()} <= known:
+            raise DriftcheckError(f"--out {out} is not a driftcheck run directory; --force only "
+                                  "replaces earlier runs: choose another directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     common = ["--seed", str(seed), "--mode", mode, "--force"] + (["--steps", str(steps)] if steps else [])
     ref_dir, tgt_dir, truth_dir = out_dir / "reference", out_dir / "target", out_dir / "truth"
@@ -411,6 +416,11 @@ def _sub(obj: _Ctx, args: list[str], label: str) -> None:
         raise DriftcheckError(f"the {label} record failed: {msg.removeprefix('driftcheck: ')}")
 
 
+def _one_line(text: str) -> str:
+    """Messages quote module names from user code: keep them to one printable line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
+
+
 # -- entry point --------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: maps errors to exit codes."""
@@ -430,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             import traceback
 
             traceback.print_exc()
-        click.echo(f"driftcheck: {e}", err=True)
+        click.echo(f"driftcheck: {_one_line(str(e))}", err=True)
         raise SystemExit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         click.echo("driftcheck: interrupted", err=True)

@@ -23,7 +23,6 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from driftcheck import format as fmt
 from driftcheck.errors import DriftcheckError, TraceError
@@ -53,6 +52,10 @@ def prepare_out_dir(out: str | os.PathLike, force: bool) -> Path:
         if not force:
             raise DriftcheckError(f"--out {p} already exists and is not empty; "
                                   "pass --force to overwrite it or choose another directory")
+        if not ((p / fmt.MANIFEST).exists() or (p / INCOMPLETE).exists()):
+            # --force replaces a trace, never an arbitrary directory (think --out ~ --force).
+            raise DriftcheckError(f"--out {p} is not empty and is not a driftcheck trace; "
+                                  "--force only replaces traces: choose another directory")
         # Remove the manifest first so a crash mid-delete never leaves a "complete" trace.
         (p / fmt.MANIFEST).unlink(missing_ok=True)
         for child in p.iterdir():
@@ -81,7 +84,7 @@ class TraceWriter:
         shard_bytes: target shard size; a shard is handed to the writer when full.
         queue_bytes: bound on host memory held by tensors waiting to be written.
         background: write on a background thread (False: on the caller's thread, same files).
-        fsync: fsync each shard before it is renamed into place (a manifest never outlives
+        fsync: fsync every shard before the manifest is written (a manifest never outlives
             a shard after a power loss).
 
     ``add`` keeps a reference to the tensor until it is written: callers pass copies they will
@@ -194,7 +197,9 @@ class TraceWriter:
             if self._error is None:
                 path = self.dir / name
                 tmp = self.dir / f".{name}.tmp"
-                write_safetensors(tmp, tensors, fsync=self.fsync)
+                # fsync at close, once for all shards: a sync per shard would stall the pipeline
+                # on the device while the next shard waits (dd's conv=fsync does the same).
+                write_safetensors(tmp, tensors, fsync=False)
                 os.replace(tmp, path)
                 size = path.stat().st_size
                 with self._cond:
@@ -225,6 +230,23 @@ class TraceWriter:
             raise _write_error(self.dir, e) from e
         raise DriftcheckError(f"writing trace {self.dir} failed: {type(e).__name__}: {e}") from e
 
+    def _sync_shards(self) -> None:
+        """Every shard durable before the manifest that points to it is written."""
+        try:
+            for name in self.shards:
+                fd = os.open(self.dir / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fd = os.open(self.dir, os.O_RDONLY)  # the renames
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _write_error(self.dir, e) from e
+
     def _stop_thread(self) -> None:
         if self._thread is None:
             return
@@ -253,6 +275,8 @@ class TraceWriter:
         """Write every shard, then the manifest last, atomically. Returns the manifest path."""
         self.drain()
         self._stop_thread()
+        if self.fsync:
+            self._sync_shards()
         manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "run": run,
                     "shards": dict(sorted(self.shards.items())), "entries": self.entries}
         if (self.dir / fmt.REPLAY).exists():

@@ -829,3 +829,26 @@ def test_pickle_payload_in_a_trace_is_never_executed(env, tmp_path, capsys):
                             "--replay", tgt], capsys)
     assert_one_line_error(code, err, "replay")
     assert not marker.exists()
+
+
+def test_debug_shows_the_traceback(env, tmp_path, capsys):
+    code, _, err = run_cli(["--debug", "record", f"{env['scen']}:forward_raises", "--out",
+                            tmp_path / "t"], capsys)
+    assert code == 2
+    assert "Traceback" in err and "ValueError: shapes do not line up" in err  # the user's own frame
+    assert err.strip().splitlines()[-1].startswith("driftcheck: ")
+
+
+def test_console_script_process_prints_one_line(env, tmp_path):
+    """The real process (python -m driftcheck): stderr is one line, exit 2."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad"
+    shutil.copytree(env["tgt"], bad)
+    _flip(_shard(bad), 8, 6)
+    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(env["ref"]), str(bad)],
+                          cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert proc.returncode == 2
+    assert_one_line_error(proc.returncode, proc.stderr, "unreadable safetensors header")

@@ -77,7 +77,13 @@ def test_existing_out_needs_force(tmp_path):
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "something").write_text("x")
     assert "--force" in one_line_error(dc("record", "mlp", "--out", str(tmp_path / "t")))
-    assert dc("record", "mlp", "--out", str(tmp_path / "t"), "--force").returncode == 0
+    # --force replaces traces, never an arbitrary directory
+    assert "not a driftcheck trace" in one_line_error(
+        dc("record", "mlp", "--out", str(tmp_path / "t"), "--force"))
+    assert (tmp_path / "t" / "something").exists()
+    assert dc("record", "mlp", "--out", str(tmp_path / "u")).returncode == 0
+    assert "--force" in one_line_error(dc("record", "mlp", "--out", str(tmp_path / "u")))
+    assert dc("record", "mlp", "--out", str(tmp_path / "u"), "--force").returncode == 0
 
 
 def test_incomplete_trace_is_refused(tmp_path, traces):

@@ -44,7 +44,7 @@ def _wait_recording(proc: subprocess.Popen, out: Path, timeout: float = 60.0) ->
     raise AssertionError("record did not start")
 
 
-def _refused_as_incomplete(out: Path, ref_like: Path, capsys) -> None:
+def _refused_as_incomplete(out: Path, capsys) -> None:
     code, _, err = run_cli(["compare", out, out], capsys)
     assert_one_line_error(code, err, "incomplete")
     with pytest.raises(store.TraceError, match="incomplete"):
@@ -61,7 +61,7 @@ def test_ctrl_c_mid_record(scen, tmp_path, capsys):
     assert err.strip().splitlines() == ["driftcheck: interrupted"], err
     assert_not_complete(out)
     assert "KeyboardInterrupt" in (out / store.INCOMPLETE).read_text()
-    _refused_as_incomplete(out, out, capsys)
+    _refused_as_incomplete(out, capsys)
 
 
 def test_sigkill_mid_record_then_force_rerecord(scen, tmp_path, capsys):
@@ -73,7 +73,7 @@ def test_sigkill_mid_record_then_force_rerecord(scen, tmp_path, capsys):
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "manifest.json").exists()
     assert (out / store.INCOMPLETE).exists()  # the marker, written before any tensor
-    _refused_as_incomplete(out, out, capsys)
+    _refused_as_incomplete(out, capsys)
     # The half-written directory is not overwritten silently either.
     code, _, err = run_cli(["record", f"{scen}:build", "--out", out], capsys)
     assert_one_line_error(code, err, "--force")
@@ -138,4 +138,4 @@ def test_full_disk(scen, tmp_path, capsys, monkeypatch, where):
     assert_one_line_error(code, err, "No space left on device", str(out))
     assert_not_complete(out)
     assert "No space left" in (out / store.INCOMPLETE).read_text()
-    _refused_as_incomplete(out, out, capsys)
+    _refused_as_incomplete(out, capsys)

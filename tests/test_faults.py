@@ -125,9 +125,10 @@ def test_other_dropout_mask_is_caught(runs):
     _assert_localized(rep, "drop1")
 
 
-def test_low_precision_softmax_is_blamed_on_the_attention_code(runs):
-    rep = _target(runs, "vit", faults.low_precision_reduction("blocks.0.attn", torch.bfloat16, ("softmax",)))
-    _assert_localized(rep, "blocks.0.attn")
+def test_batch_norm_statistics_summed_in_bf16_are_caught(runs):
+    rep = _target(runs, "resnet", faults.low_precision_reduction("layer2.bn1", torch.bfloat16, ("batch_norm",)))
+    _assert_localized(rep, "layer2.bn1")
+    assert rep.first_divergence["local_ratio"] > rep.limit  # seen by the local replay
 
 
 def test_overflow_is_caught_as_nonfinite(runs):
@@ -140,7 +141,7 @@ def test_overflow_is_caught_as_nonfinite(runs):
 
 # -- the library itself ----------------------------------------------------------------------------
 def test_fault_remove_restores_the_module():
-    model = load_scenario("mlp").model
+    model = load_scenario("mlp").model.eval()  # no dropout: the same input, the same output
     x = torch.randn(3, 32)
     before = model(x)
     fault = faults.scale_output("fc2", 2.0)(model)
@@ -165,13 +166,12 @@ def test_sequential_bf16_sum_loses_what_an_fp32_accumulator_keeps():
 def test_stochastic_rounding_moves_values_by_at_most_one_ulp_and_leaves_copies_alone():
     a = torch.randn(4096).to(torch.bfloat16)
     b = torch.randn(4096).to(torch.bfloat16)
-    exact = (a.double() * b.double())
+    rn = a * b  # round to nearest
     with faults.stochastic_rounding(seed=0):
         y = a * b
         c = a.clone()
-    assert torch.equal(c, a)
-    ulp = torch.ldexp(torch.ones(4096, dtype=torch.float64), torch.frexp(exact)[1] - 8)
-    err = (y.double() - exact).abs() / ulp
-    assert err.max().item() <= 1.0 + 1e-9
-    assert 0 < (y != a * b).float().mean().item() < 0.5  # some moved, most did not
-    assert math.isclose((y != a * b).float().mean().item(), 0.25, abs_tol=0.05)
+    assert torch.equal(c, a)  # copies are exact on every backend: left alone
+    ulp = torch.ldexp(torch.ones(4096, dtype=torch.float64), torch.frexp(rn.double())[1] - 8)
+    moved = (y.double() - rn.double()).abs() / ulp
+    assert set(moved.unique().tolist()) <= {0.0, 1.0}  # one ULP or nothing
+    assert math.isclose((moved > 0).float().mean().item(), 0.25, abs_tol=0.05)

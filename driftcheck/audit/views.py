@@ -196,10 +196,18 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
     return None
 
 
+# Aliases autograd makes for itself (saving tensors for backward, .detach() in hooks): which
+# tensors get saved depends on the dtype path (a bf16 run casts where an fp32 run does not), so
+# they say nothing about the backend's view semantics and would misalign the two runs' events.
+_AUTOGRAD_ALIASES = frozenset({"detach", "alias", "lift_fresh"})
+
+
 @functools.lru_cache(maxsize=None)
 def _kind(func: Any) -> str | None:
     """"view", "inplace", "out" or None, from the op's schema alias annotations."""
     schema = func._schema
+    if schema.name.split("::")[-1] in _AUTOGRAD_ALIASES:
+        return None
     writes = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if writes:
         return "out" if any(a.kwarg_only for a in writes) else "inplace"

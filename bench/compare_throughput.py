@@ -1,0 +1,59 @@
+"""Compare throughput (bytes of both traces per second) against memcpy bandwidth, both measured
+now on this machine.
+
+    python bench/compare_throughput.py [--quick] [--gb N] [--workers N]
+
+Two synthetic traces of float32 tensors (the target the reference plus fp32-level noise) are
+written, then compared in this process: every element of both read from the memory-mapped
+shards and measured in float64. Target: >= 25% of memcpy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import _common as c  # noqa: E402  (sets sys.path)
+
+from _synth import write_pair
+from driftcheck.compare import Comparison
+from driftcheck.store import TraceReader
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    c.add_common_args(ap)
+    ap.add_argument("--gb", type=float, default=None, help="bytes per trace (default 1, quick 0.25)")
+    ap.add_argument("--workers", default="1,2", help="compare threads to try")
+    args = ap.parse_args()
+    c.setup(args)
+    nbytes = int((args.gb or (0.25 if args.quick else 1.0)) * 1e9)
+    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir="."))
+    rows = []
+    try:
+        per_trace = write_pair(tmp / "ref", tmp / "tgt", nbytes, 64 << 20)
+        memcpy = c.memcpy_bandwidth()
+        for w in (int(x) for x in args.workers.split(",")):
+            best = float("inf")
+            for _ in range(1 if args.quick else 2):
+                t0 = time.perf_counter()
+                rep = Comparison(TraceReader(tmp / "ref"), TraceReader(tmp / "tgt"), workers=w).run()
+                best = min(best, time.perf_counter() - t0)
+            assert rep.verdict == "pass", rep.decided_by
+            bw = 2 * per_trace / best
+            ratio = bw / memcpy
+            rows.append([f"{w} worker(s)", c.gb(2 * per_trace), f"{best:.2f} s", f"{bw / 1e6:.0f} MB/s",
+                         f"{memcpy / 1e6:.0f} MB/s", f"{ratio:.1%}",
+                         ">= 25% " + ("met" if ratio >= 0.25 else "MISSED")])
+            print(rows[-1], flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(c.markdown_table(["compare", "bytes read", "time", "throughput", "memcpy", "ratio",
+                            "target"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Stats and auto modes end to end: what is stored, samples at the same seeded indices on both
+runs, compare's estimates from them, fp8 under/overflow counts, and no effect on the numbers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from driftcheck import stats
+from driftcheck.compare import compare
+from driftcheck.loader import load_scenario
+from driftcheck.rng import DropoutControl
+from driftcheck.runner import record, train
+from driftcheck.store import TraceReader, TraceWriter
+from driftcheck.tracer import Tracer
+
+
+def _rec(out, mode, **kw):
+    return record(load_scenario("llama"), out, mode=mode, force=True, model_id="llama", **kw)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stats")
+    ref = _rec(root / "full", "full")
+    return {
+        "full": ref,
+        "stats": _rec(root / "stats", "stats", replay=ref),
+        "stats_bf16": _rec(root / "stats_bf16", "stats", replay=ref, dtype="bf16"),
+        "full_bf16": _rec(root / "full_bf16", "full", replay=ref, dtype="bf16"),
+        "auto": _rec(root / "auto", "auto", replay=ref, full_modules=["layers.0.*"]),
+        "auto_bf16": _rec(root / "auto_bf16", "auto", replay=ref, dtype="bf16",
+                          full_modules=["layers.0.*"]),
+        "stats_fault": _rec(root / "stats_fault", "stats", replay=ref,
+                            target_hooks=_scale_output("layers.1.mlp.up_proj", 1.02)),
+    }
+
+
+def _scale_output(name, factor):
+    def hook(model):
+        dict(model.named_modules())[name].register_forward_hook(lambda m, a, out: out * factor)
+    return hook
+
+
+def test_stats_mode_stores_samples_not_tensors(llama):
+    r = TraceReader(llama["stats"])
+    for e in r.entries:
+        if e["phase"] == "loss":
+            continue  # the loss is one number: kept in full
+        assert "tensor" not in e, e["key"]
+        sample = r.tensor(e, "sample")
+        assert sample.numel() == min(e["stats"]["numel"], stats.SAMPLE_SIZE)
+        assert set(stats.FIELDS) <= set(e["stats"])
+    full = sum(p.stat().st_size for p in llama["full"].iterdir() if p.name.startswith("shard"))
+    small = sum(p.stat().st_size for p in llama["stats"].iterdir() if p.name.startswith("shard"))
+    assert small < full / 3
+
+
+def test_samples_are_the_full_tensor_at_the_seeded_indices(llama):
+    """The same positions on both runs: a stats-mode sample equals the full-mode tensor of the
+    same (bitwise identical) run at sample_indices(key, numel, seed)."""
+    full, st = TraceReader(llama["full"]), TraceReader(llama["stats"])
+    by_key = {e["key"]: e for e in full.entries}
+    checked = 0
+    for e in st.entries:
+        if "sample" not in e or e["stats"]["numel"] <= stats.SAMPLE_SIZE:
+            continue
+        idx = torch.from_numpy(stats.sample_indices(e["key"], e["stats"]["numel"], 0))
+        whole = full.tensor(by_key[e["key"]]).reshape(-1)
+        assert torch.equal(st.tensor(e, "sample"), whole[idx]), e["key"]
+        checked += 1
+    assert checked > 100
+
+
+def test_sample_indices_spread_over_the_tensor_and_differ_per_key():
+    a = stats.sample_indices("0/forward/x/0/output", 10_000_000, 0)
+    b = stats.sample_indices("1/forward/x/0/output", 10_000_000, 0)
+    assert len(a) == stats.SAMPLE_SIZE and a.min() >= 0 and a.max() < 10_000_000
+    assert not (a == b).all()
+    # Every tenth of the tensor gets about a tenth of the sample.
+    counts = [((a >= i * 1_000_000) & (a < (i + 1) * 1_000_000)).sum() for i in range(10)]
+    assert min(counts) > 25
+    assert (stats.sample_indices("k", 100, 0) == list(range(100))).all()
+
+
+def test_compare_estimates_elementwise_error_and_ulps_from_samples(llama):
+    est = compare(llama["full"], llama["stats_bf16"])
+    exact = compare(llama["full"], llama["full_bf16"])
+    est2 = compare(llama["stats"], llama["stats_bf16"])
+    assert est.verdict == exact.verdict == est2.verdict == "pass"
+    by_key = {e.key: e for e in exact.entries}
+    ratios = []
+    for e in est2.entries:
+        if e.details["measured_on"] != "sample" or e.metrics.get("count", 0) < stats.SAMPLE_SIZE:
+            continue
+        x = by_key[e.key]
+        assert e.metrics["estimated_from"] == "sample"
+        assert 0 <= e.metrics["max_ulp"] <= x.metrics["max_ulp"]  # a subset's max
+        if x.metrics["rms"] > 0:
+            ratios.append(e.metrics["rms"] / x.metrics["rms"])
+    assert len(ratios) > 100
+    ratios.sort()
+    median = ratios[len(ratios) // 2]
+    assert 0.8 < median < 1.25, median  # 512 samples estimate the rms error to ~5%
+
+
+def test_stats_mode_catches_an_injected_fault_at_its_module(llama):
+    report = compare(llama["full"], llama["stats_fault"])
+    assert report.verdict == "fail"
+    fd = report.first_divergence
+    assert fd["module"] == "layers.1.mlp.up_proj" and fd["phase"] == "forward", fd
+
+
+def test_auto_mode_keeps_selected_modules_in_full(llama):
+    r = TraceReader(llama["auto"])
+    for e in r.entries:
+        full = e["module"].startswith("layers.0.") or e["phase"] == "loss"
+        assert ("tensor" in e) == full and ("sample" in e) == (not full), e["key"]
+    report = compare(llama["auto"], llama["auto_bf16"])
+    how = {e.key: e.details["measured_on"] for e in report.entries}
+    assert {how[k] for k in how if "/layers.0." in k} == {"full"}
+    assert {how[k] for k in how if "/layers.1." in k} == {"sample"}
+    assert report.verdict == "pass"
+
+
+def test_without_samples_compare_falls_back_to_the_statistics(llama):
+    ref, tgt = TraceReader(llama["stats"]), TraceReader(llama["stats_fault"])
+    for reader in (ref, tgt):
+        for e in reader.entries:
+            e.pop("sample", None)
+    report = compare(ref, tgt)
+    assert {e.details["measured_on"] for e in report.entries} <= {"stats", "full"}
+    assert report.verdict == "fail"
+
+
+# -- fp8 ----------------------------------------------------------------------------------------
+FP8_CASES = [  # values (cast to fp8), expected underflow (nonzero subnormal), overflow (at max)
+    (torch.float8_e4m3fn, [0.0, 1.0, -2.0], 0, 0),
+    (torch.float8_e4m3fn, [2.0**-7, -2.0**-9, 2.0**-6, 1.0], 2, 0),
+    (torch.float8_e4m3fn, [448.0, -448.0, 416.0, 1.0], 0, 2),  # 416: the next value down
+    (torch.float8_e5m2, [57344.0, 2.0**-15, 2.0**-14, 0.0], 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype,values,under,over", FP8_CASES)
+def test_fp8_under_and_overflow_counts(dtype, values, under, over):
+    t = torch.tensor(values).to(dtype)
+    for row in (stats.stats_vector(t), stats.summarize([t, t], [None, "k"], 0)[0][1]):
+        d = stats.to_dict(row.tolist())
+        assert (d["fp8_underflow"], d["fp8_overflow"]) == (under, over)
+    assert "fp8_underflow" not in stats.to_dict(stats.stats_vector(torch.ones(3)).tolist())
+
+
+def test_batched_summary_matches_one_tensor_at_a_time():
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(300, 300, generator=g) * 5 + 2  # takes the large-tensor path
+    odd = torch.randn(40, generator=g)
+    odd[3], odd[7] = float("nan"), float("-inf")
+    ts = [torch.randn(5, 7, generator=g), big, big.bfloat16(), odd, torch.zeros(0),
+          torch.tensor(3.0), torch.arange(10), torch.randn(9, generator=g).to(torch.float8_e5m2),
+          torch.full((4,), float("nan")), torch.randn(3, dtype=torch.complex64, generator=g)]
+    rows, samples = stats.summarize(ts, [f"k{i}" for i in range(len(ts))], 0)
+    for i, (t, row, s) in enumerate(zip(ts, rows, samples)):
+        want = stats.stats_vector(t)
+        for name, a, b in zip(stats.COLUMNS, row.tolist(), want.tolist()):
+            if math.isnan(b):
+                assert math.isnan(a), (t.dtype, name)
+            else:
+                assert a == pytest.approx(b, rel=1e-6, abs=1e-12), (t.dtype, name)
+        idx = torch.from_numpy(stats.sample_indices(f"k{i}", t.numel(), 0))
+        flat = t.reshape(-1)[idx]
+        bits = (lambda x: x.view(torch.uint8)) if t.dtype.itemsize == 1 else (lambda x: x)
+        assert s.dtype == t.dtype
+        assert torch.equal(bits(s), bits(flat)) or torch.allclose(s, flat, equal_nan=True, rtol=0, atol=0)
+
+
+# -- no effect on the numbers -------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "stats", "auto"])
+@pytest.mark.parametrize("background", [True, False])
+def test_traced_equals_untraced_bitwise_in_every_mode(mode, background, tmp_path):
+    results, states = [], []
+    for traced in (False, True):
+        sc = load_scenario("llama", 0)
+        model = sc.model
+        opt = sc.optimizer(model.parameters())
+        batches = [sc.batch(i) for i in range(sc.steps)]
+        tracer = writer = None
+        if traced:
+            writer = TraceWriter(tmp_path / "t", force=True, shard_bytes=1 << 16,
+                                 background=background)
+            tracer = Tracer(model, writer, optimizer=opt, mode=mode,
+                            full_modules=["layers.0.*"]).attach()
+        res = train(model, batches, sc, opt, device=torch.device("cpu"), dtype=torch.float32,
+                    dropout=DropoutControl(0), tracer=tracer)
+        if tracer is not None:
+            tracer.detach()
+            writer.close({"steps": sc.steps})
+            assert len(TraceReader(tmp_path / "t").manifest["shards"]) > (1 if mode != "stats" else 0)
+        results.append(res)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for a, b in zip(*results):
+        assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["output"], b["output"])
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
