@@ -345,6 +345,9 @@ def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
 @click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium"]), default=None,
               help="Target's float32 matmul precision.")
 @click.option("--truth", type=click.Choice(["fp64"]), default=None, help="Also record a float64 truth on CPU.")
+@click.option("--local", "local", is_flag=True,
+              help="Rerun every leaf module of the target on the reference's inputs: separates each "
+                   "module's own error from what it inherits (needs --mode full).")
 @click.option("--out", "-o", required=True, type=click.Path(), help="Run directory (traces and reports).")
 @click.option("--steps", type=int, default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -358,7 +361,7 @@ def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
 @click.pass_obj
 def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
-        truth: str | None, out: str, steps: int | None, seed: int, mode: str, force: bool,
+        truth: str | None, local: bool, out: str, steps: int | None, seed: int, mode: str, force: bool,
         policy_path: str | None, limit: float | None, html: bool, junit_path: str | None,
         md_path: str | None) -> None:
     """Record truth (optional), reference and target, each in its own process, and compare.
@@ -391,6 +394,8 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
     for flag, val in (("--autocast", autocast), ("--fp8", fp8), ("--matmul-precision", matmul_precision)):
         if val:
             tgt_args += [flag, val]
+    if local:
+        tgt_args += ["--local", str(ref_dir)]
     _sub(obj, tgt_args, "target")
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     from driftcheck.compare import compare as do_compare

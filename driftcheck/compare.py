@@ -624,12 +624,40 @@ class Comparison:
                     finding.message = "the reference run itself: " + finding.message
                 finding.details = dict(finding.details or {}, side=side)
                 self.findings.append(finding)
+        self._fp8_findings()
         ref_ev = self.ref.manifest.get("view_events")
         tgt_ev = self.tgt.manifest.get("view_events")
         if ref_ev and tgt_ev:
             from driftcheck.audit import views
 
             self.findings.extend(views.compare_events(ref_ev, tgt_ev, _view_tolerance(self)))
+
+    def _fp8_findings(self) -> None:
+        """Summarise the target's fp8 casts (amax, scale, flushed and saturated fractions)."""
+        casts = [c for c in (self.tgt.manifest.get("fp8") or []) if isinstance(c, dict)]
+        if not casts:
+            return
+        def worst(key: str) -> dict[str, Any]:
+            return max(casts, key=lambda c: c.get(key) or 0.0)
+        flushed, saturated = worst("flushed_fraction"), worst("saturated_fraction")
+        recipe = (self.tgt.run.get("precision") or {}).get("fp8") or self.tgt.run.get("fp8")
+        self.findings.append(Finding(
+            "precision.fp8_casts", "", None,
+            f"{len(casts)} fp8 casts (recipe {recipe}): at most "
+            f"{100 * (flushed.get('flushed_fraction') or 0):.2g}% of a tensor flushed to zero "
+            f"({flushed.get('module')} {flushed.get('role')}), at most "
+            f"{100 * (saturated.get('saturated_fraction') or 0):.2g}% saturated "
+            f"({saturated.get('module')} {saturated.get('role')})", severity="warning",
+            details={"casts": casts[:500]}))
+        for c in casts:
+            if (c.get("saturated_fraction") or 0) > 0:
+                self.findings.append(Finding(
+                    "precision.fp8_saturation", c.get("module", ""), c.get("step"),
+                    f"{c.get('role')} of {c.get('module')} saturated in {c.get('format')}: "
+                    f"{100 * c['saturated_fraction']:.3g}% of {c.get('numel')} values clipped at the "
+                    f"format's max (scale {c.get('scale'):.3g}, amax {c.get('amax'):.3g}); delayed "
+                    "scaling lags a growing amax: use current scaling or a longer margin",
+                    severity="warning", details=dict(c)))
 
     def _nonfinite_findings(self, entries: list[Entry]) -> None:
         first = next((e for e in entries if e.status == NONFINITE), None)

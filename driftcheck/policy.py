@@ -3,7 +3,7 @@
 Read from ``driftcheck.toml`` or ``[tool.driftcheck]`` in ``pyproject.toml`` (first found in the
 search directory), or from an explicit ``--policy FILE``. Format (docs/policy.md)::
 
-    limit = 4.0                       # default ratio limit (drift / noise floor)
+    limit = 3.5                       # default ratio limit (drift / noise floor)
     steps = "0-3"                     # steps to judge (inclusive); or [0, 3]; default all
     fail_on = ["batchnorm", "view"]   # finding kinds (dotted prefixes or globs) that fail the gate
 
@@ -33,7 +33,9 @@ from typing import Any
 from driftcheck.errors import DriftcheckError
 from driftcheck.report import Finding
 
-DEFAULT_LIMIT = 4.0
+# Measured (docs/noise-floor.md, docs/diagnosis.md): clean fp32-vs-bf16/fp16/fp8 runs and the
+# no-fault controls stay below 2.3; faults of 4x the floor reach >= 4.0. 3.5 keeps both margins.
+DEFAULT_LIMIT = 3.5
 # Findings that fail the gate unless the policy says otherwise (severity "error" kinds);
 # ``precision.*`` findings are warnings: a precision setting that differs explains drift,
 # it is not a defect by itself.
