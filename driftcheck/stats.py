@@ -150,8 +150,8 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
             start = end
     if not tensors:
         return torch.zeros((0, len(COLUMNS)), dtype=torch.float64), []
-    acc = rows[0].dtype  # type: ignore[union-attr]
-    return torch.stack([r.to(acc) for r in rows]), samples  # type: ignore[union-attr]
+    first = rows[0]
+    return torch.stack([r.to(device=first.device, dtype=first.dtype) for r in rows]), samples  # type: ignore[union-attr]
 
 
 def _large_stats(t: torch.Tensor) -> torch.Tensor:

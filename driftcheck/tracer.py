@@ -113,13 +113,15 @@ def _magnitude_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
 
 class _Pending:
-    __slots__ = ("entry", "tensor", "dev_meta")
+    __slots__ = ("entry", "tensor", "dev_meta", "summary")
 
-    def __init__(self, entry: dict[str, Any], tensor: torch.Tensor,
-                 dev_meta: dict[str, torch.Tensor] | None) -> None:
+    def __init__(self, entry: dict[str, Any], tensor: torch.Tensor | None,
+                 dev_meta: dict[str, torch.Tensor] | None,
+                 summary: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
         self.entry = entry
         self.tensor = tensor
         self.dev_meta = dev_meta
+        self.summary = summary  # (stats row, sample), taken at hook time instead of a copy
 
 
 class Tracer:
@@ -484,11 +486,17 @@ class Tracer:
         if extra:
             entry["meta"] = dict(extra)
         self._order += 1
+        summary = None
         with torch.no_grad(), self._quiet():
             data = t.detach()
-            if copy:
+            if data.numel() >= tstats.BIG and not (self._full(module) or phase == "loss"):
+                # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
+                # than copy it for later; the copy would cost more than the summary.
+                rows, samples = tstats.summarize([data], [skey], self.seed)
+                summary, data = (rows[0], samples[0]), samples[0]
+            elif copy:
                 data = data.clone()  # copy at hook time: later in-place ops must not leak in
-        self._pending.append(_Pending(entry, data, dev_meta))
+        self._pending.append(_Pending(entry, data, dev_meta, summary))
         self._pending_bytes += data.numel() * data.element_size()
         self._seen_keys.add(skey)
         if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes:
@@ -508,9 +516,16 @@ class Tracer:
         with torch.no_grad(), self._quiet():
             fulls = [self._full(p.entry["module"]) or p.entry["phase"] == "loss" for p in pending]
             # Stats of all captures and the samples of the non-full ones, a few kernels per dtype.
-            stat_rows, samples = tstats.summarize(
-                [p.tensor for p in pending],
-                [None if f else p.entry["key"] for p, f in zip(pending, fulls)], self.seed)
+            todo = [i for i, p in enumerate(pending) if p.summary is None]
+            rows, got = tstats.summarize(
+                [pending[i].tensor for i in todo],
+                [None if fulls[i] else pending[i].entry["key"] for i in todo], self.seed)
+            samples: list[torch.Tensor | None] = [p.summary[1] if p.summary else None for p in pending]
+            row_list = [p.summary[0] if p.summary else None for p in pending]
+            for j, i in enumerate(todo):
+                row_list[i], samples[i] = rows[j], got[j]
+            first = row_list[0]
+            stat_rows = torch.stack([r.to(device=first.device, dtype=first.dtype) for r in row_list])
             metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
                      for k, v in p.dev_meta.items()]
             meta_vals = torch.stack([v.to(stat_rows.dtype) for _, _, v in metas]) if metas else None

@@ -159,3 +159,34 @@ def test_fifty_thousand_entries_stay_responsive(browser, tmp_path) -> None:
     page.click("#show-more")
     assert len(opened.column("module")) == 1000
     opened.clean()
+
+
+def test_real_fault_report_on_a_builtin_model(browser, tmp_path, traces) -> None:
+    """An injected fault on the built-in Llama (bf16 target, one Linear's output x1.25) and the
+    clean bf16 run: both render, the failing one names the module; these are the README's
+    screenshots."""
+    from driftcheck.compare import compare
+    from conftest import record_builtin
+    from test_compare import a_middle_linear, scale_output
+
+    ref = traces["llama"]["fp32"]
+    mod = a_middle_linear("llama")
+    bad = record_builtin("llama", tmp_path / "bad", dtype="bf16", replay=ref,
+                         target_hooks=scale_output(mod, 1.25))
+    failing = compare(ref, bad)
+    assert failing.verdict == "fail" and failing.first_divergence["module"] == mod
+    opened = Opened(browser, failing, tmp_path / "fail.html")
+    assert mod in opened.page.text_content("#first-divergence") if opened.page.query_selector(
+        "#first-divergence") else mod in opened.page.content()
+    opened.page.fill("#filter", mod)
+    opened.wait_rows(sum(1 for e in failing.entries if mod in e.key))
+    opened.page.fill("#filter", "")
+    opened.clean()
+    opened.page.evaluate("window.scrollTo(0, 0)")
+    opened.page.screenshot(path=str(SCREENSHOTS / "llama-fault.png"), full_page=False)
+    passing = compare(ref, traces["llama"]["bf16"])
+    assert passing.verdict == "pass"
+    ok = Opened(browser, passing, tmp_path / "pass.html")
+    ok.clean()
+    ok.page.evaluate("window.scrollTo(0, 0)")
+    ok.page.screenshot(path=str(SCREENSHOTS / "llama-bf16-pass.png"), full_page=False)

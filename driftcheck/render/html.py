@@ -59,6 +59,7 @@ def render_html(report: Report) -> str:
         "counts": _status_counts(report.entries),
         "findings": _findings(report, policy),
         "meta_rows": _meta_rows(report),
+        "meta_always": META_ALWAYS,
         "first": first,
         "first_entry": first_entry,
         "first_extra": {k: v for k, v in (first or {}).items()
@@ -148,6 +149,10 @@ def _flatten(d: Any, prefix: str = "") -> list[tuple[str, str]]:
     if isinstance(d, (list, tuple)):
         return [(prefix[:-1], ", ".join(fmt(v) if not isinstance(v, str) else v for v in d))]
     return [(prefix[:-1], d if isinstance(d, str) else fmt(d))]
+
+
+# Shown even when equal: what a reader needs to know which runs these are.
+META_ALWAYS = ("model_id", "device", "dtype", "mode", "steps", "seed", "host", "created")
 
 
 def _meta_rows(report: Report) -> list[dict[str, Any]]:
