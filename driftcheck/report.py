@@ -95,12 +95,13 @@ class Report:
             "verdict": self.verdict,
             "decided_by": self.decided_by,
             "limit": _num(self.limit),
-            "reference": self.reference,
-            "target": self.target,
-            "truth": self.truth,
-            "first_divergence": self.first_divergence,
+            # run metadata comes from trace files: whatever they hold must still make valid JSON
+            "reference": _clean(self.reference),
+            "target": _clean(self.target),
+            "truth": _clean(self.truth),
+            "first_divergence": _clean(self.first_divergence),
             "warnings": list(self.warnings),
-            "policy": self.policy,
+            "policy": _clean(self.policy),
             "entries": [e.to_dict() for e in self.entries],
             "findings": [f.to_dict() for f in self.findings],
         }

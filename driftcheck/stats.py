@@ -155,9 +155,8 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
 
 
 def _large_stats(t: torch.Tensor) -> torch.Tensor:
-    """One large host tensor in ~4 passes over its own dtype, no float64 copy (torch's CPU
-    variance is Welford's in double). Any NaN/Inf shows in the sum, norm, min or max, and then
-    the masking float64 path decides."""
+    """One large host tensor in three passes over its own dtype, no float64 copy. Any NaN/Inf
+    shows in the sum, norm, min or max, and then the masking float64 path decides."""
     x = t.detach().reshape(-1)
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()  # torch.std of a half tensor returns a half: keep the summary exact
@@ -169,10 +168,15 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
     if not all(math.isfinite(float(v)) for v in (s, l2, mn, mx)):
         return stats_vector(t)  # NaN/Inf (or a float32 overflow): the exact float64 path
     n = x.numel()
-    std = torch.std(x, correction=0).double()
+    mean = s / n
+    var = float(l2 * l2 / n - mean * mean)
+    if var > 1e-3 * float(mean * mean):
+        std = torch.tensor(math.sqrt(var), dtype=torch.float64)  # no cancellation to fear
+    else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
+        std = torch.std(x, correction=0).double()
     mn, mx = mn.double(), mx.double()
     nan = float("nan")
-    return torch.stack([mn, mx, s / n, std, torch.maximum(mn.abs(), mx.abs()), l2,
+    return torch.stack([mn, mx, mean, std, torch.maximum(mn.abs(), mx.abs()), l2,
                         *torch.tensor([0.0, 0.0, float(n), nan, nan], dtype=torch.float64)])
 
 

@@ -286,7 +286,7 @@ class TraceWriter:
         manifest = fmt.json_safe(json.loads(json.dumps(manifest, default=_json_default)))
         fmt.validate_manifest(manifest)
         try:
-            _fsync_write(self.dir / fmt.MANIFEST, json.dumps(manifest, indent=1, allow_nan=False).encode())
+            _fsync_write(self.dir / fmt.MANIFEST, json.dumps(manifest, allow_nan=False, separators=(",", ":")).encode())
         except OSError as e:
             raise _write_error(self.dir, e) from e
         (self.dir / INCOMPLETE).unlink(missing_ok=True)

@@ -167,7 +167,7 @@ def test_batched_summary_matches_one_tensor_at_a_time():
             if math.isnan(b):
                 assert math.isnan(a), (t.dtype, name)
             else:
-                assert a == pytest.approx(b, rel=1e-6, abs=1e-12), (t.dtype, name)
+                assert a == pytest.approx(b, rel=1e-5, abs=1e-12), (t.dtype, name)  # float32 sums
         idx = torch.from_numpy(stats.sample_indices(f"k{i}", t.numel(), 0))
         flat = t.reshape(-1)[idx]
         bits = (lambda x: x.view(torch.uint8)) if t.dtype.itemsize == 1 else (lambda x: x)
