@@ -150,3 +150,15 @@ def test_replay_gives_bitwise_identical_start(traces):
         ta = a.tensor(ka[k])
         if ta.is_floating_point():
             assert torch.equal(ta.to(torch.bfloat16), c.tensor(kc[k]))
+
+
+def test_quiet_and_no_color(traces):
+    ref, tgt = str(traces["mlp"]["fp32"]), str(traces["mlp"]["bf16"])
+    p = dc("--quiet", "compare", ref, tgt)
+    assert p.returncode == 0 and len(p.stdout.strip().splitlines()) == 1
+    for args, env in ((["--no-color"], {}), ([], {"NO_COLOR": "1"})):
+        p = subprocess.run([sys.executable, "-m", "driftcheck", *args, "compare", ref, tgt,
+                            "--limit", "0.01"], capture_output=True, text=True, timeout=300,
+                           env=dict(ENV, FORCE_COLOR="1", **env) if env else dict(ENV, FORCE_COLOR="1", NO_COLOR=""))
+        assert p.returncode == 1
+        assert "\x1b[" not in p.stdout, args

@@ -215,3 +215,58 @@ def test_dropout_masks_are_reproducible_across_runs(traces):
     for e in a.entries:
         t = b.tensor(eb[(e["step"], e["phase"], e["module"], e["call"], e["slot"])])
         assert torch.equal(a.tensor(e), t), e["key"]
+
+
+def test_huggingface_cache_objects_are_captured(tmp_path):
+    """A model returning a KV cache object (transformers' DynamicCache) and None fields."""
+    transformers = pytest.importorskip("transformers")
+    from driftcheck import Scenario
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # padding
+    sc = Scenario(model=model, inputs={"input_ids": ids, "attention_mask": mask, "use_cache": True},
+                  loss=lambda out, b: out.logits.float().pow(2).mean(),
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=1)
+    record(sc, tmp_path / "t", model_id="hf-llama-cache")
+    keys = _by_key(TraceReader(tmp_path / "t"))
+    cache = [k for k in keys if k[1] == "forward" and k[2] == "" and "cache" in k[4]]
+    assert cache, "the KV cache returned by the model must be recorded"
+    assert (0, "forward", "", 0, "input.attention_mask") in keys
+
+
+def test_library_api_trace_context_manager(tmp_path):
+    """Users who drive their own loop: driftcheck.trace(...) and t.step(loss)."""
+    import driftcheck
+
+    def run(out, dtype):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1)).to(dtype)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        with driftcheck.trace(model, out=out, optimizer=opt) as t:
+            for _ in range(3):
+                x = torch.randn(16, 4, generator=gen).to(dtype)
+                loss = model(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                t.step(loss)
+        return out
+
+    a = run(tmp_path / "a", torch.float32)
+    b = run(tmp_path / "b", torch.bfloat16)
+    r = TraceReader(a)
+    assert r.run["steps"] == 3
+    assert {e["phase"] for e in r.entries} == {"params", "forward", "loss", "backward", "grads", "optimizer"}
+    from driftcheck.compare import compare
+
+    assert compare(a, a).verdict == "pass"
+    rep = compare(a, b)
+    assert rep.verdict == "pass", rep.decided_by
+    assert max(e.metrics.get("rel_l2", 0) for e in rep.entries) > 1e-3
