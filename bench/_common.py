@@ -6,7 +6,6 @@ the numbers mean something on any host: absolute times depend on the CPU and the
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import os
 import statistics
@@ -111,11 +110,3 @@ def fresh(model: torch.nn.Module) -> torch.nn.Module:
 
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
-
-
-@dataclasses.dataclass
-class Row:
-    name: str
-    value: float
-    target: str
-    ok: bool | None

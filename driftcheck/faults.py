@@ -261,23 +261,30 @@ def scale_grad(module: str, factor: float) -> Fault:
     return Fault("scale_grad", module, {"factor": factor}, wrap)
 
 
-class _OwnMask(TorchFunctionMode):
+class _OwnMask:
+    """Inside the faulty module, F.dropout draws from its own generator."""
+
     def __init__(self, generator: torch.Generator) -> None:
-        super().__init__()
         self.g = generator
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            x = args[0]
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    def __enter__(self) -> "_OwnMask":
+        self.saved = F.dropout  # the run's (CPU-mask controlled) dropout
+        outer = self
+
+        def own(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                inplace: bool = False) -> torch.Tensor:
             if not training or p == 0:
-                return func(*args, **kwargs)
-            func(*args, **kwargs)  # keep the run's own mask stream in step for later dropouts
-            keep = (torch.rand(x.shape, generator=self.g) >= p).to(device=x.device, dtype=x.dtype)
-            return x * keep / (1.0 - p)
-        return func(*args, **kwargs)
+                return outer.saved(input, p, training, inplace)
+            outer.saved(input.detach().clone(), p, training, False)  # keep the run's mask stream in step
+            keep = (torch.rand(input.shape, generator=outer.g) >= p).to(device=input.device,
+                                                                        dtype=input.dtype)
+            return input * keep / (1.0 - p)
+
+        F.dropout = own
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        F.dropout = self.saved
 
 
 def other_dropout_mask(module: str, seed: int = 12345) -> Fault:

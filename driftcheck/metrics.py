@@ -198,6 +198,9 @@ def _as_float64(chunk: torch.Tensor) -> torch.Tensor:
     return c.reshape(-1).to("cpu").to(torch.float64)
 
 
+_EXPONENT_BITS = 0x7FF0000000000000  # sign and mantissa cleared: the power of two of a float64
+
+
 class ErrorAccumulator:
     """Streaming error metrics of target vs reference, fed chunk by chunk in row-major order.
 
@@ -246,6 +249,11 @@ class ErrorAccumulator:
         self._n += n
         if n == 0:
             return
+        if not _is_exact(self.coarse):
+            rr, tt = float(torch.dot(r, r)), float(torch.dot(t, t))
+            if math.isfinite(rr) and math.isfinite(tt):  # finite sums of squares: all finite
+                self._update_finite(r, t, offset, n, rr, tt)
+                return
         fr, ft = torch.isfinite(r), torch.isfinite(t)
         nan_r, nan_t = torch.isnan(r), torch.isnan(t)
         c = self._counts
@@ -285,6 +293,36 @@ class ErrorAccumulator:
         self._ref_sq.add(float((rf * rf).sum()))
         self._tgt_sq.add(float((tf * tf).sum()))
         self._ref_absmax = max(self._ref_absmax, float(rf.abs().max()))
+
+    def _update_finite(self, r: torch.Tensor, t: torch.Tensor, offset: int, n: int,
+                       rr: float, tt: float) -> None:
+        # The common case, every value finite: the same metrics in far fewer passes (dot
+        # products for sums of squares, the ULP spacing read off the float64 exponent bits, no
+        # masking), which keeps compare near memory speed.
+        e = t - r
+        ae = e.abs()
+        m = float(ae.max())
+        if m > self._max_abs:  # strict: the first chunk holding the max keeps it
+            self._max_abs = m
+            self._max_index = offset + int(ae.argmax())  # argmax: first occurrence
+        self._n_pair += n
+        self._n_ref += n
+        self._n_tgt += n
+        self._abs.add(float(ae.sum()))
+        self._sq.add(float(torch.dot(e, e)))
+        self._rr.add(rr)
+        self._tt.add(tt)
+        self._rt.add(float(torch.dot(r, t)))
+        self._ref_sq.add(rr)
+        self._tgt_sq.add(tt)
+        ar = r.abs()
+        self._ref_absmax = max(self._ref_absmax, float(ar.max()))
+        # ulp(|r|) = eps * 2^floor(log2 max(|r|, tiny)): zeroing the mantissa bits of a normal
+        # float64 gives 2^floor(log2 x) exactly; below tiny the subnormal step tiny*eps.
+        eps, tiny = _eps_tiny(self.coarse)
+        pow2 = (ar.clamp(min=tiny).view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+        self._max_ulp = max(self._max_ulp, float((ae / pow2).max()) / eps)
+        self._outside += int(torch.count_nonzero(ae > ar.mul_(self.rtol).add_(self.atol)))
 
     def result(self) -> dict[str, float | int]:
         """The metrics so far (keys in the module docstring)."""

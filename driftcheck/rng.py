@@ -13,20 +13,26 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-_FEATURE = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
+class DropoutControl:
+    """Replace dropout's device RNG with CPU-generated masks. ``set_step(i)`` before each step.
 
+    A context manager that swaps the dropout entry points of ``torch.nn.functional`` (which
+    ``nn.Dropout`` and Hugging Face models call) and ``torch.dropout`` for the duration of the
+    block. Patching these few functions, rather than a TorchFunctionMode that sees every torch
+    call, keeps the cost of a step unchanged when no dropout runs.
+    """
 
-class DropoutControl(TorchFunctionMode):
-    """Replace dropout's device RNG with CPU-generated masks. ``set_step(i)`` before each step."""
+    _PATCHED = (("dropout", F), ("dropout1d", F), ("dropout2d", F), ("dropout3d", F),
+                ("scaled_dot_product_attention", F), ("dropout", torch))
 
     def __init__(self, seed: int = 0) -> None:
-        super().__init__()
         self.seed = seed
         self.step = 0
         self.index = 0
         self.masks: list[dict[str, Any]] = []  # (step, index, p, shape) of every mask drawn
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -40,24 +46,40 @@ class DropoutControl(TorchFunctionMode):
         # noise = mask / (1 - p), as PyTorch's native dropout scales it, in the input's dtype.
         return (keep.to(like.dtype) / (1.0 - p) if p < 1 else keep.to(like.dtype)).to(like.device)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (F.dropout, torch.dropout, torch.nn.functional.dropout) or func in _FEATURE:
+    def __enter__(self) -> "DropoutControl":
+        self._depth += 1
+        if self._depth == 1:
+            for name, owner in self._PATCHED:
+                original = getattr(owner, name)
+                self._saved.append((owner, name, original))
+                setattr(owner, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            while self._saved:
+                owner, name, original = self._saved.pop()
+                setattr(owner, name, original)
+
+    def _wrap(self, name: str, func: Any) -> Any:
+        feature = {"dropout1d": 1, "dropout2d": 2, "dropout3d": 3}.get(name)
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            if name == "scaled_dot_product_attention":
+                p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+                if p and p > 0.0:
+                    return self._sdpa_with_mask(*args, **kwargs)
+                return func(*args, **kwargs)
             x, p, training, inplace = _dropout_args(func, args, kwargs)
             if not training or p == 0.0 or not isinstance(x, torch.Tensor):
                 return func(*args, **kwargs)
-            if func in _FEATURE:
-                nd = _FEATURE[func]
-                shape = torch.Size(list(x.shape[:-nd]) + [1] * nd)
-            else:
-                shape = x.shape
+            shape = torch.Size(list(x.shape[:-feature]) + [1] * feature) if feature else x.shape
             noise = self._mask(shape, p, x)
             return x.mul_(noise) if inplace else x * noise
-        if func is F.scaled_dot_product_attention:
-            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            if p and p > 0.0:
-                return self._sdpa_with_mask(*args, **kwargs)
-        return func(*args, **kwargs)
+
+        patched.__wrapped__ = func  # type: ignore[attr-defined]
+        return patched
 
     def _sdpa_with_mask(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                         scale=None, enable_gqa=False):
@@ -82,11 +104,14 @@ class DropoutControl(TorchFunctionMode):
         return probs @ value
 
 
+_TORCH_DROPOUT = torch.dropout
+
+
 def _dropout_args(func, args, kwargs):
     names = ("input", "p", "training", "inplace")
     vals = dict(zip(names, args))
     vals.update({k: v for k, v in kwargs.items() if k in names})
-    if func is torch.dropout:  # torch.dropout(input, p, train)
+    if func is _TORCH_DROPOUT:  # torch.dropout(input, p, train)
         vals.setdefault("training", kwargs.get("train", args[2] if len(args) > 2 else True))
     return vals.get("input"), float(vals.get("p", 0.5)), bool(vals.get("training", True)), \
         bool(vals.get("inplace", False))
