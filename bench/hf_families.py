@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from driftcheck.compare import compare  # noqa: E402
+from driftcheck.faults import scale_output  # noqa: E402
 from driftcheck.loader import load_scenario  # noqa: E402
 from driftcheck.runner import record  # noqa: E402
 from driftcheck.store import TraceReader  # noqa: E402
@@ -31,14 +32,6 @@ def middle_module(model: nn.Module) -> str:
     """A Linear or Conv in the middle of the model: where the fault goes."""
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
     return names[len(names) // 2]
-
-
-def scale_output(name: str, s: float):
-    def hook(model):
-        mod = model.get_submodule(name)
-        orig = mod.forward
-        mod.forward = lambda *a, **k: orig(*a, **k) * s
-    return hook
 
 
 def run_family(spec: str, root: Path) -> dict:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from driftcheck import faults
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
 from driftcheck.report import Report
@@ -14,33 +15,14 @@ from driftcheck.report import Report
 from conftest import BUILTINS, record_builtin
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, s):
-        ctx.s = s
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.s, None
-
-
 def scale_output(name: str, s: float):
     """Target-only fault: ``name``'s forward output times ``s`` (inside the module)."""
-    def hook(model):
-        mod = model.get_submodule(name)
-        orig = mod.forward
-        mod.forward = lambda *a, **k: orig(*a, **k) * s
-    return hook
+    return faults.scale_output(name, s)
 
 
 def scale_input_grad(name: str, s: float):
     """Target-only fault: the gradient ``name`` sends back to its input is scaled by ``s``."""
-    def hook(model):
-        mod = model.get_submodule(name)
-        orig = mod.forward
-        mod.forward = lambda x, *a, **k: orig(_ScaleGrad.apply(x, s), *a, **k)
-    return hook
+    return faults.scale_grad(name, s)
 
 
 def a_middle_linear(name: str) -> str:

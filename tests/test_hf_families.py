@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from hf_families import middle_module, run_family, scale_output  # noqa: E402
+from hf_families import run_family  # noqa: E402
 
 from driftcheck import hf  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
