@@ -73,6 +73,14 @@ def prepare_environment(device_type: str) -> None:
     """
     if device_type in BUILTIN_TYPES:
         os.environ.setdefault(AUTOLOAD_VAR, "0")
+    else:
+        # torch_tpu's import prints INFO lines from libtpu's C++ logging and a tcmalloc
+        # performance warning; keep stderr to driftcheck's own one-line messages (warnings and
+        # errors from libtpu still show).
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+        import warnings
+
+        warnings.filterwarnings("ignore", message="<TorchTpu/Performance/TcMalloc/")
 
 
 def torch_tpu_version() -> str | None:
