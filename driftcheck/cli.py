@@ -33,6 +33,24 @@ class _Ctx:
                        force_terminal=None if not self.no_color else False, soft_wrap=True)
 
 
+def _everywhere(f: Any) -> Any:
+    """--quiet, --no-color and --debug are accepted after the command name too."""
+    def quiet(ctx: click.Context, _p: Any, value: bool) -> None:
+        if value:
+            ctx.find_object(_Ctx).quiet = True
+
+    def no_color(ctx: click.Context, _p: Any, value: bool) -> None:
+        if value:
+            ctx.find_object(_Ctx).no_color = True
+
+    f = click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=quiet,
+                     help="Print the verdict line only.")(f)
+    f = click.option("--no-color", is_flag=True, expose_value=False, callback=no_color,
+                     help="No colors.")(f)
+    return click.option("--debug", is_flag=True, expose_value=False,
+                        help="Show tracebacks for errors.")(f)
+
+
 def _ranges(spec: str | None) -> list[int] | None:
     """'0-2,5' -> [0, 1, 2, 5]."""
     if not spec:
@@ -83,6 +101,7 @@ def cli(ctx: click.Context, debug: bool, quiet: bool, no_color: bool) -> None:
 
 # -- models -------------------------------------------------------------------------------------
 @cli.command()
+@_everywhere
 @click.pass_obj
 def models(obj: _Ctx) -> None:
     """List the built-in models and the Hugging Face families."""
@@ -137,6 +156,7 @@ def models(obj: _Ctx) -> None:
                    "compare then separates each module's own error from what it inherits.")
 @click.option("--simulate", type=click.Choice(["views-become-copies", "drop-view-writes", "skip-bn-stats"]),
               default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
+@_everywhere
 @click.pass_obj
 def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
@@ -259,6 +279,7 @@ def _write_outputs(report: Any, json_path: str | None, html_path: str | None,
 @click.option("--limit", type=float, default=None, help="Override every ratio limit.")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
 @_outputs_options
+@_everywhere
 @click.pass_obj
 def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: str | None,
             limit: float | None, top: int, json_path: str | None, html_path: str | None,
@@ -294,6 +315,7 @@ def _finish(obj: _Ctx, report: Any, top: int, json_path: str | None, html_path: 
 @cli.command()
 @click.argument("report_json", type=click.Path())
 @_outputs_options
+@_everywhere
 @click.pass_obj
 def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | None,
            junit_path: str | None, md_path: str | None) -> None:
@@ -320,6 +342,7 @@ def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | 
 @cli.command()
 @click.option("--device", required=True, help="Device to check against CPU.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write results as JSON.")
+@_everywhere
 @click.pass_obj
 def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
     """Run the view/in-place conformance suite on DEVICE against CPU; exit 1 on any mismatch."""
@@ -358,6 +381,7 @@ def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
 @click.option("--html/--no-html", "html", default=True, show_default=True, help="Write report.html.")
 @click.option("--junit", "junit_path", type=click.Path(), default=None)
 @click.option("--summary-md", "md_path", type=click.Path(), default=None)
+@_everywhere
 @click.pass_obj
 def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
