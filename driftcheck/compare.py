@@ -174,7 +174,7 @@ class Comparison:
 
     def __init__(self, ref: TraceReader, tgt: TraceReader, *, policy: Policy | None = None,
                  limit: float | None = None, truth: TraceReader | None = None,
-                 chunk_elems: int = 1 << 16, workers: int | None = None) -> None:
+                 chunk_elems: int = 1 << 17, workers: int | None = None) -> None:
         self.ref, self.tgt, self.truth = ref, tgt, truth
         self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
         self._measured: dict[tuple, tuple[dict[str, Any], str]] = {}
