@@ -29,8 +29,11 @@ class _Ctx:
     def console(self, stderr: bool = False) -> Any:
         from rich.console import Console
 
-        return Console(stderr=stderr, no_color=self.no_color, highlight=False,
-                       force_terminal=None if not self.no_color else False, soft_wrap=True)
+        console = Console(stderr=stderr, no_color=self.no_color, highlight=False,
+                          force_terminal=None if not self.no_color else False, soft_wrap=True)
+        if not console.is_terminal:
+            console.width = 120  # logs and CI pages: rich's 80-column default folds every key
+        return console
 
 
 def _everywhere(f: Any) -> Any:
@@ -427,6 +430,8 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
 
     report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,
                         truth=str(truth_dir) if truth else None)
+    if not obj.quiet:
+        click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
     _finish(obj, report, 10, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
             junit_path, md_path)
 

@@ -156,9 +156,17 @@ def test_quiet_and_no_color(traces):
     ref, tgt = str(traces["mlp"]["fp32"]), str(traces["mlp"]["bf16"])
     p = dc("--quiet", "compare", ref, tgt)
     assert p.returncode == 0 and len(p.stdout.strip().splitlines()) == 1
-    for args, env in ((["--no-color"], {}), ([], {"NO_COLOR": "1"})):
+    p = dc("compare", ref, tgt, "-q")  # after the command name too
+    assert p.returncode == 0 and len(p.stdout.strip().splitlines()) == 1
+
+    def colored(*args: str, **env: str) -> str:
+        base = {k: v for k, v in ENV.items() if k != "NO_COLOR"}
         p = subprocess.run([sys.executable, "-m", "driftcheck", *args, "compare", ref, tgt,
                             "--limit", "0.01"], capture_output=True, text=True, timeout=300,
-                           env=dict(ENV, FORCE_COLOR="1", **env) if env else dict(ENV, FORCE_COLOR="1", NO_COLOR=""))
+                           env=dict(base, FORCE_COLOR="1", **env))
         assert p.returncode == 1
-        assert "\x1b[" not in p.stdout, args
+        return p.stdout
+
+    assert "\x1b[" in colored(), "control: a forced terminal gets colors"
+    assert "\x1b[" not in colored("--no-color")
+    assert "\x1b[" not in colored(NO_COLOR="1")

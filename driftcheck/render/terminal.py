@@ -39,12 +39,13 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
         console.print("first divergence: none (the gate failed on findings)", highlight=False)
     table = Table(title=f"worst {top} entries (ratio = error / noise floor, limit {report.limit:g})",
                   title_justify="left")
-    for col in ("key", "ratio", "rel_l2", "max_abs", "max_ulp", "status"):
-        table.add_column(col, justify="left" if col == "key" else "right", overflow="fold")
+    for col in ("step", "phase", "module", "slot", "ratio", "rel_l2", "max_abs", "status"):
+        table.add_column(col, justify="left" if col in ("phase", "module", "slot") else "right",
+                         overflow="fold")
     for e in report.worst(top):
         m = e.metrics
-        table.add_row(escape(e.key), _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")),
-                      _g(m.get("max_ulp")), e.status)
+        table.add_row(str(e.step), e.phase, escape(e.module or "(model)"), escape(e.slot),
+                      _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")), e.status)
     console.print(table)
     groups: dict[tuple[str, str, str], list] = {}
     for f in report.findings:  # one line per kind and module; the steps listed
@@ -56,7 +57,9 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
         if module and msg.startswith(module + ": "):
             msg = msg[len(module) + 2:]
         where = f" step{'s' if len(steps) > 1 else ''} {','.join(map(str, steps))}" if steps else ""
-        console.print(f"[{color}]{escape(kind)}[/] {escape(module or '(model)')}{where}: {escape(msg)}",
+        # run-level findings (precision settings) belong to no module
+        who = f" {escape(module or '(model)')}" if module or steps else ""
+        console.print(f"[{color}]{escape(kind)}[/]{who}{where}: {escape(msg)}",
                       highlight=False, soft_wrap=True)
     for w in report.warnings:
         console.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
