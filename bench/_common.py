@@ -5,15 +5,17 @@ the numbers mean something on any host: absolute times depend on the CPU and the
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -96,6 +98,22 @@ def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     dt = median_time(lambda: dst.copy_(src), repeats)
     return nbytes / dt
+
+
+@contextlib.contextmanager
+def scratch(directory: str | os.PathLike = ".") -> Iterator[Path]:
+    """A temporary folder on the disk being measured (``directory``), removed afterwards."""
+    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir=directory))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    """The benchmark's result as the Markdown table that goes into the README."""
+    print()
+    print(markdown_table(headers, rows))
 
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import _common as c  # noqa: E402  (sets sys.path)
 
@@ -31,8 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     c.setup(args)
     nbytes = int((args.gb or (1.0 if args.quick else 4.0)) * 1e9)
-    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir=args.dir))
-    try:
+    with c.scratch(args.dir) as tmp:
         t0 = time.perf_counter()
         per_trace = write_pair(tmp / "ref", tmp / "tgt", nbytes, 1 << 30 if nbytes >= 4e9 else 256 << 20)
         print(f"wrote 2 x {c.gb(per_trace)} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -64,11 +60,8 @@ def main() -> None:
                  f"{base / 1e6:.0f} MB", f"{peak / per_trace:.1%}",
                  "<= 1 GB " + ("met" if ok else "MISSED")]]
         print(rows[0])
-        print()
-        print(c.markdown_table(["trace size", "exit", "compare time", "peak RSS",
-                                "RSS of import torch", "peak / trace", "target"], rows))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        c.print_table(["trace size", "exit", "compare time", "peak RSS",
+                                "RSS of import torch", "peak / trace", "target"], rows)
 
 
 if __name__ == "__main__":

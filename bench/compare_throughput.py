@@ -10,10 +10,7 @@ shards and measured in float64. Target: >= 25% of memcpy bandwidth.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import _common as c  # noqa: E402  (sets sys.path)
 
@@ -30,9 +27,8 @@ def main() -> None:
     args = ap.parse_args()
     c.setup(args)
     nbytes = int((args.gb or (0.25 if args.quick else 1.0)) * 1e9)
-    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir="."))
     rows = []
-    try:
+    with c.scratch(".") as tmp:
         per_trace = write_pair(tmp / "ref", tmp / "tgt", nbytes, 64 << 20)
         memcpy = c.memcpy_bandwidth()
         for w in (int(x) for x in args.workers.split(",")):
@@ -48,11 +44,8 @@ def main() -> None:
                          f"{memcpy / 1e6:.0f} MB/s", f"{ratio:.1%}",
                          ">= 25% " + ("met" if ratio >= 0.25 else "MISSED")])
             print(rows[-1], flush=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print(c.markdown_table(["compare", "bytes read", "time", "throughput", "memcpy", "ratio",
-                            "target"], rows))
+    c.print_table(["compare", "bytes read", "time", "throughput", "memcpy", "ratio",
+                            "target"], rows)
 
 
 if __name__ == "__main__":

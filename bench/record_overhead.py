@@ -10,8 +10,6 @@ Targets: stats <= 1.5x; full <= 3x on the ~16M model.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,9 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     c.setup(args)
     steps, repeats = (2, 2) if args.quick else (3, 5)
-    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir="."))
     rows = []
-    try:
+    with c.scratch(".") as tmp:
         for size in args.sizes.split(","):
             sc = c.llama_scenario(size, steps)
             model0 = sc.model
@@ -80,11 +77,8 @@ def main() -> None:
                              f"{ratio:.2f}x", f"<= {target}x {verdict}" if target else "-",
                              f"{size_b / steps / 1e6:.1f} MB"])
                 print(rows[-1], flush=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print(c.markdown_table(["model", "mode", "untraced step", "traced step", "ratio", "target",
-                            "trace per step"], rows))
+    c.print_table(["model", "mode", "untraced step", "traced step", "ratio", "target",
+                            "trace per step"], rows)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
-from pathlib import Path
 
 import _common as c  # noqa: E402  (sets sys.path)
 
@@ -24,9 +22,8 @@ def main() -> None:
     args = ap.parse_args()
     c.setup(args)
     steps = 1 if args.quick else 2
-    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir="."))
     rows = []
-    try:
+    with c.scratch(".") as tmp:
         for size in args.sizes.split(","):
             sc = c.llama_scenario(size, steps)
             pbytes = c.params(sc.model) * 4
@@ -40,11 +37,8 @@ def main() -> None:
                              f"{(shards + manifest) / steps / pbytes:.2f}x"])
                 print(rows[-1], flush=True)
                 shutil.rmtree(tmp / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print(c.markdown_table(["model", "mode", "shards / step", "manifest / step", "total / step",
-                            "total / parameter bytes"], rows))
+    c.print_table(["model", "mode", "shards / step", "manifest / step", "total / step",
+                            "total / parameter bytes"], rows)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,9 +43,8 @@ def main() -> None:
     tensors = [torch.randn(tensor_bytes // 4, generator=g) for _ in range(max(1, nbytes // tensor_bytes))]
     nbytes = len(tensors) * tensor_bytes
     entries = [entry(i, t) for i, t in enumerate(tensors)]  # statistics: not the writer's work
-    tmp = Path(tempfile.mkdtemp(prefix="dc-bench-", dir=args.dir))
     rows = []
-    try:
+    with c.scratch(args.dir) as tmp:
         repeats = 2 if args.quick else 3
         best = {"disk": 0.0, "background": 0.0, "foreground": 0.0}
         for _ in range(repeats):  # interleaved, best of: the disk is shared
@@ -61,10 +59,7 @@ def main() -> None:
                          f"{best['disk'] / 1e6:.0f} MB/s", f"{ratio:.0%}",
                          (">= 70% " + ("met" if ratio >= 0.7 else "MISSED")) if mode == "background" else "-"])
             print(rows[-1], flush=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print()
-    print(c.markdown_table(["writer", "bytes", "trace write", "disk (dd, fsync)", "ratio", "target"], rows))
+    c.print_table(["writer", "bytes", "trace write", "disk (dd, fsync)", "ratio", "target"], rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,7 +21,7 @@ from driftcheck import metrics as mx
 from driftcheck.errors import DriftcheckError
 from driftcheck.local import base_slot, is_local_slot
 from driftcheck.policy import Policy
-from driftcheck.report import (DRIFT, IGNORED, INFO, MISALIGNED, NONFINITE, OK, Entry, Finding,
+from driftcheck.report import (DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding,
                                Report)
 from driftcheck.store import TraceReader
 
@@ -152,6 +152,20 @@ class _Index:
         return [d for d in deps if d is not e]
 
 
+class _Error(NamedTuple):
+    """What a judged entry passes on to the entries that depend on it."""
+
+    rel_rms: float  # rms error / magnitude
+    rel_max: float  # max error / max magnitude
+    rms: float  # absolute rms error
+    max: float  # absolute max error
+    mu: float = 1.0  # magnitude / rms of the reference (> 1 where terms cancel)
+
+
+_WRONG = _Error(fl.REL_CAP, fl.REL_CAP, 0.0, 0.0)  # misaligned: fully wrong, no measured size
+_NONE = _Error(0.0, 0.0, 0.0, 0.0)
+
+
 def _rms_of(stats: dict[str, Any]) -> float:
     n = stats.get("numel") or 0
     l2 = stats.get("l2")
@@ -183,9 +197,7 @@ class Comparison:
         self.chunk_elems = chunk_elems
         self.findings: list[Finding] = []
         self.warnings: list[str] = []
-        self.rel: dict[tuple, tuple[float, float]] = {}  # align key -> (rel rms, rel max)
-        self.scale: dict[tuple, float] = {}  # align key -> magnitude / rms of the reference
-        self.abs_err: dict[tuple, tuple[float, float]] = {}  # align key -> (rms, max) error
+        self.errors: dict[tuple, _Error] = {}  # align key -> what later entries inherit
 
     # -- alignment -----------------------------------------------------------------------------
     def _check_runs(self) -> None:
@@ -251,13 +263,18 @@ class Comparison:
         return measured if measured is not None else self._measure(r, t)
 
     def _measure(self, r: dict, t: dict) -> tuple[dict[str, Any], str]:
-        """Metrics of one pair: streamed from the full tensors, else the stats-mode samples (the
-        same seeded indices on both runs), else estimated from the summary statistics."""
-        rc = self.ref.chunks(r, self.chunk_elems)
-        tc = self.tgt.chunks(t, self.chunk_elems)
+        return self._measure_between(self.ref, r, self.tgt, t)
+
+    def _measure_between(self, ref: TraceReader, r: dict, tgt: TraceReader,
+                         t: dict) -> tuple[dict[str, Any], str]:
+        """Metrics of ``t`` (in ``tgt``) against ``r`` (in ``ref``): streamed from the full
+        tensors, else the stats-mode samples (the same seeded indices on both runs), else
+        estimated from the summary statistics. Returns (metrics, "full"|"sample"|"stats")."""
+        rc = ref.chunks(r, self.chunk_elems)
+        tc = tgt.chunks(t, self.chunk_elems)
         how = "full"
         if rc is None or tc is None:
-            rs, ts = self.ref.tensor(r, "sample"), self.tgt.tensor(t, "sample")
+            rs, ts = ref.tensor(r, "sample"), tgt.tensor(t, "sample")
             if rs is None or ts is None or rs.shape != ts.shape:
                 return _stats_metrics(r["stats"], t["stats"]), "stats"
             rc, tc, how = iter([rs.reshape(-1)]), iter([ts.reshape(-1)]), "sample"
@@ -324,7 +341,7 @@ class Comparison:
             g = self.ref_index.by_align.get((s, "grads", m, 0, f"param.{leaf}"))
             if g is None:
                 return 0.0
-            mu = self.scale.get(_align(g), 1.0)
+            mu = self.errors.get(_align(g), _NONE).mu
             sq = slot.endswith(("exp_avg_sq", "square_avg", "sum", "max_exp_avg_sq"))
             return _rms_of(r["stats"]) * (mu * mu if sq else mu)
         if ph != "grads":
@@ -424,14 +441,14 @@ class Comparison:
                 "alignment.shape_mismatch", r["module"], r["step"],
                 f"{r['key']}: reference shape {r['shape']}, target shape {t['shape']}",
                 phase=r["phase"], key=r["key"]))
-            self.rel[a] = (fl.REL_CAP, fl.REL_CAP)
+            self.errors[a] = _WRONG
             return Entry(**base, metrics={}, floor=None, ratio=None, status=MISALIGNED, rule=rule)
         if _dtype_kind(r["dtype"]) != _dtype_kind(t["dtype"]):
             self.findings.append(Finding(
                 "alignment.dtype_mismatch", r["module"], r["step"],
                 f"{r['key']}: reference dtype {r['dtype']}, target dtype {t['dtype']} (not both "
                 "integer, both real or both complex)", phase=r["phase"], key=r["key"]))
-            self.rel[a] = (fl.REL_CAP, fl.REL_CAP)
+            self.errors[a] = _WRONG
             return Entry(**base, metrics={}, floor=None, ratio=None, status=MISALIGNED, rule=rule)
         m, how = self._pair_metrics(r, t)
         judged = m
@@ -449,34 +466,35 @@ class Comparison:
         mag = max(meta.get("mag_rms") or 0.0, self._magnitude(r))
         scale_rms = max(ref_rms, mag)
         scale_max = ref_max * (scale_rms / ref_rms if ref_rms > 0 else 1.0)
-        self.scale[a] = scale_rms / ref_rms if ref_rms > 0 else 1.0
-        self.rel[a] = (fl.relative(m.get("rms", 0.0), scale_rms),
-                       fl.relative(m.get("max_abs", 0.0), scale_max))
-        self.abs_err[a] = (m.get("rms", 0.0), m.get("max_abs", 0.0))
+        self.errors[a] = _Error(fl.relative(m.get("rms", 0.0), scale_rms),
+                                fl.relative(m.get("max_abs", 0.0), scale_max),
+                                m.get("rms", 0.0), m.get("max_abs", 0.0),
+                                scale_rms / ref_rms if ref_rms > 0 else 1.0)
         ignore = self.policy.ignore_reason(r["module"], r["phase"], r["step"])
         if not _is_float(r["dtype"]):
             return self._judge_integer(r, m, base, details, ignore)
         deps = self.ref_index.dependencies(r)
-        inh = [self.rel.get(_align(d), (0.0, 0.0)) for d in deps]
-        inh_rms = max((x[0] for x in inh), default=0.0)
-        inh_max = max((x[1] for x in inh), default=0.0)
+        inh = [self.errors.get(_align(d), _NONE) for d in deps]
+        inh_rms = max((x.rel_rms for x in inh), default=0.0)
+        inh_max = max((x.rel_max for x in inh), default=0.0)
         u, u_acc = self._u(r, t)
         extra_rms = extra_max = 0.0
         if r["phase"] == "params" and r["step"] > 0:
             # The state before step s is the state after step s-1: the same tensor.
-            prev = self.abs_err.get((r["step"] - 1, "optimizer", r["module"], 0, r["slot"]))
+            prev = self.errors.get((r["step"] - 1, "optimizer", r["module"], 0, r["slot"]))
             if prev is not None:
-                extra_rms, extra_max = prev
+                extra_rms, extra_max = prev.rms, prev.max
         if r["phase"] == "optimizer" and r["slot"].startswith("param."):
             upd_rms, upd_max = self._update_scale(r)
             extra_rms, extra_max = C_UPDATE * upd_rms, 2.0 * upd_max
             g = self.ref_index.by_align.get((r["step"], "grads", r["module"], 0, r["slot"]))
             if g is not None:
-                rel_g = self.rel.get(_align(g), (0.0, 0.0))[0] * self.scale.get(_align(g), 1.0)
+                err_g = self.errors.get(_align(g), _NONE)
+                rel_g = err_g.rel_rms * err_g.mu  # error / the gradient's own rms
                 if rel_g > NOISE_GRAD:
                     # The gradient is below its own rounding noise (terms that cancel): an
                     # adaptive optimizer turns that noise into full-size steps on both runs.
-                    t_rms, t_max = self._update_scale(t, self.tgt, self.tgt_map_flat)
+                    t_rms, t_max = self._update_scale(t, self.tgt, self.tgt_map)
                     extra_rms = max(extra_rms, 2.0 * max(upd_rms, t_rms))
                     extra_max = max(extra_max, 2.0 * max(upd_max, t_max))
                     details["gradient_below_noise"] = rel_g
@@ -524,17 +542,6 @@ class Comparison:
                      rule=ignore or rule, details=details)
 
     # -- local replay and truth --------------------------------------------------------------------
-    def _metrics_of(self, ra: TraceReader, ea: dict, rb: TraceReader, eb: dict) -> dict[str, Any]:
-        """Error metrics of ``eb`` (in ``rb``) against ``ea`` (in ``ra``): full tensors, else the
-        seeded samples, else summary statistics."""
-        a, b = ra.tensor(ea), rb.tensor(eb)
-        if a is None or b is None:
-            a, b = ra.tensor(ea, "sample"), rb.tensor(eb, "sample")
-            if a is None or b is None or a.shape != b.shape:
-                return _stats_metrics(ea["stats"], eb["stats"])
-        return mx.tensor_error(a, b, ref_dtype=ea["dtype"], tgt_dtype=eb["dtype"],
-                               chunk_elems=self.chunk_elems)
-
     def _blame_module(self, e: Entry) -> str:
         """The module whose code produced the diverging tensor: a forward input is computed by
         the parent's code between its submodules."""
@@ -550,7 +557,7 @@ class Comparison:
         le = self.local_map.get(_align(r))
         if le is None or list(le["shape"]) != list(r["shape"]) or not _is_float(le["dtype"]):
             return None
-        m = self._metrics_of(self.ref, r, self.tgt, le)
+        m, _ = self._measure_between(self.ref, r, self.tgt, le)
         f = fl.floor(dataclasses.replace(fi, inherited_rms=0.0, inherited_max=0.0))
         ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
         status = NONFINITE if m.get("nonfinite_new", 0) > 0 else (DRIFT if ratio > limit else OK)
@@ -570,8 +577,8 @@ class Comparison:
         te = self.truth_map.get(_align(r))
         if te is None or list(te["shape"]) != list(r["shape"]) or not _is_float(te["dtype"]):
             return None
-        err_t = self._metrics_of(self.truth, te, self.tgt, t)
-        err_r = self._metrics_of(self.truth, te, self.ref, r)
+        err_t, _ = self._measure_between(self.truth, te, self.tgt, t)
+        err_r, _ = self._measure_between(self.truth, te, self.ref, r)
         if err_t.get("nonfinite_new", 0) or err_r.get("nonfinite_new", 0):
             return None
         mult = TRUTH_M_LOW if t["dtype"] in ("bfloat16", "float16") else TRUTH_M
@@ -594,7 +601,6 @@ class Comparison:
                           for e in self.tgt.entries if is_local_slot(e["slot"])}
         tgt_map = {_align(e): e for e in self.tgt.entries if not is_local_slot(e["slot"])}
         self.tgt_map = tgt_map
-        self.tgt_map_flat = {(k[0], k[1], k[2], k[3], k[4]): v for k, v in tgt_map.items()}
         self.truth_map = {_align(e): e for e in self.truth.entries} if self.truth is not None else {}
         self._alignment_findings(ref_map, tgt_map)
         self._measure_all([(r, tgt_map[_align(r)]) for r in ref_entries
@@ -605,8 +611,7 @@ class Comparison:
                 continue
             t = tgt_map.get(_align(r))
             if t is None:
-                self.rel[_align(r)] = (0.0, 0.0)
-                continue
+                continue  # reported as alignment.missing_in_target; inherits nothing
             entries.append(self._judge(r, t))
         self._trace_findings()
         self._nonfinite_findings(entries)
@@ -848,8 +853,3 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
     t = target if isinstance(target, TraceReader) else TraceReader(target)
     tr = truth if truth is None or isinstance(truth, TraceReader) else TraceReader(truth)
     return Comparison(r, t, policy=policy, limit=limit, truth=tr).run()
-
-
-def entries_by_status(report: Report, statuses: Iterable[str]) -> list[Entry]:
-    s = set(statuses)
-    return [e for e in report.entries if e.status in s]

@@ -203,12 +203,6 @@ def _broadcast_str(value: str | None) -> str:
     return str(box[0])
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (no communication); any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and hasattr(t, "placements") else t
-
-
 # -- comparing ------------------------------------------------------------------------------------
 def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: Any) -> Any:
     """Compare two multi-rank run directories rank by rank; one Report for all of them.

@@ -339,13 +339,6 @@ def _user_code(name: str, what: str, step: int) -> Any:
                               "(fix the model code; --debug shows the traceback)") from e
 
 
-SIMULATIONS = {
-    "views-become-copies": "view ops return copies (a backend that lost aliasing)",
-    "drop-view-writes": "in-place writes through views do not reach their base",
-    "skip-bn-stats": "BatchNorm never updates running_mean/var in training (torch_tpu 0.2.0)",
-}
-
-
 def simulated_backend(name: str) -> Any:
     """A simulated faulty backend (driftcheck/simulate.py) for checking the audits end to end."""
     from driftcheck import simulate as sim

@@ -107,7 +107,6 @@ class TraceWriter:
         self._pending_bytes = 0
         self._keys: set[tuple] = set()
         self.closed = False
-        self.bytes_written = 0
         # Bytes accepted and not yet on disk (current shard + queued + being written).
         self._held = 0
         self._cond = threading.Condition()
@@ -204,7 +203,6 @@ class TraceWriter:
                 size = path.stat().st_size
                 with self._cond:
                     self.shards[name] = size
-                    self.bytes_written += nbytes
         except BaseException as e:  # surfaced on the caller's thread
             with self._cond:
                 self._error = e
@@ -459,23 +457,24 @@ class TraceReader:
                     raise TraceError(f"entry {e['key']}: the manifest says {e['dtype']} {e['shape']}, "
                                      f"shard {ref['shard']} holds {dtype} {shape}; the trace is corrupt")
 
-    def _shard_path(self, shard: str) -> Path:
+    def _shard_path(self, shard: str, *, check_size: bool = False) -> Path:
         fmt.check_shard_name(shard)
         p = self.dir / shard
         if p.is_symlink():
             raise TraceError(f"{p} is a symbolic link; shards must be plain files inside the trace")
         if not p.is_file():
             raise TraceError(f"shard {p} is missing; the trace is incomplete or was copied partially")
+        if check_size:
+            expected = self.manifest["shards"][shard]
+            if p.stat().st_size != expected:
+                raise TraceError(f"shard {p} has {p.stat().st_size} bytes, the manifest says "
+                                 f"{expected}: the file is truncated or was replaced")
         return p
 
     def _handle(self, shard: str) -> Any:
         h = self._handles.get(shard)
         if h is None:
-            p = self._shard_path(shard)
-            expected = self.manifest["shards"][shard]
-            if p.stat().st_size != expected:
-                raise TraceError(f"shard {p} has {p.stat().st_size} bytes, the manifest says "
-                                 f"{expected}: the file is truncated or was replaced")
+            p = self._shard_path(shard, check_size=True)
             try:
                 h = safe_open(str(p), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types
@@ -532,12 +531,7 @@ class TraceReader:
         with self._map_lock:
             m = self._maps.get(shard)
             if m is None:
-                p = self._shard_path(shard)
-                expected = self.manifest["shards"][shard]
-                if p.stat().st_size != expected:
-                    raise TraceError(f"shard {p} has {p.stat().st_size} bytes, the manifest says "
-                                     f"{expected}: the file is truncated or was replaced")
-                m = self._maps[shard] = _MappedShard(p)
+                m = self._maps[shard] = _MappedShard(self._shard_path(shard, check_size=True))
             return m
 
     def read_replay(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -651,7 +645,3 @@ def read_replay(trace_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     if not isinstance(meta, dict) or meta.get("format") != "driftcheck.replay":
         raise TraceError(f"{p} has no driftcheck replay metadata; re-record the reference")
     return tensors, meta
-
-
-def iter_entries(reader: TraceReader) -> Iterator[dict[str, Any]]:
-    yield from reader.entries

@@ -247,6 +247,7 @@ class Tracer:
 
     def _reset_step(self) -> None:
         self._order = 0
+        self._seen_keys: set[str] = set()
         self._calls: dict[str, int] = {}
         self._stack: list[tuple[str, int]] = []
         self._grads: dict[int, torch.Tensor] = {}
@@ -478,7 +479,7 @@ class Tracer:
             t = t.to_local()
         key = fmt.Key(self.step_index, phase, module, call, slot)
         skey = str(key)
-        if skey in self._keys_this_step():
+        if skey in self._seen_keys:
             return  # the same tensor reached twice (e.g. an output hook fired twice)
         entry: dict[str, Any] = {
             "key": skey, "module": module, "phase": phase, "step": self.step_index,
@@ -504,11 +505,6 @@ class Tracer:
         if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes:
             self.flush()
 
-    def _keys_this_step(self) -> set[str]:
-        if getattr(self, "_seen_step", None) != self.step_index:
-            self._seen_step = self.step_index
-            self._seen_keys: set[str] = set()
-        return self._seen_keys
 
     def flush(self) -> None:
         """Move pending captures to the host in one batched transfer and hand them to the writer."""

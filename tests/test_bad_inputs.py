@@ -235,6 +235,14 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, s
     return ei.value.code, out, err
 
 
+def record_ref_and_bf16(scen_fn: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> tuple[Path, Path]:
+    """Record ``scen_fn`` as an fp32 reference and a bf16 target replaying it; both must succeed."""
+    ref, tgt = tmp_path / "ref", tmp_path / "tgt"
+    assert run_cli(["record", scen_fn, "--out", ref], capsys)[0] == 0
+    assert run_cli(["record", scen_fn, "--out", tgt, "--replay", ref, "--dtype", "bf16"], capsys)[0] == 0
+    return ref, tgt
+
+
 def assert_one_line_error(code: int, err: str, *needles: str) -> str:
     """Exit 2, exactly one line on stderr that starts with ``driftcheck:``, no traceback."""
     lines = err.strip().splitlines()
@@ -719,11 +727,7 @@ def test_odd_tensors_record_and_compare(env, tmp_path, capsys):
 
 
 def test_nan_in_the_reference_is_reported_not_a_crash(env, tmp_path, capsys):
-    scen = env["scen"]
-    ref, tgt = tmp_path / "ref", tmp_path / "tgt"
-    assert run_cli(["record", f"{scen}:nan_ref", "--out", ref], capsys)[0] == 0
-    assert run_cli(["record", f"{scen}:nan_ref", "--out", tgt, "--replay", ref, "--dtype", "bf16"],
-                   capsys)[0] == 0
+    ref, tgt = record_ref_and_bf16(f"{env['scen']}:nan_ref", tmp_path, capsys)
     code, out, err = run_cli(["compare", ref, tgt, "--json", tmp_path / "r.json"], capsys)
     assert code in (0, 1) and not err.strip(), err
     rep = json.loads((tmp_path / "r.json").read_text())
@@ -733,11 +737,7 @@ def test_nan_in_the_reference_is_reported_not_a_crash(env, tmp_path, capsys):
 
 
 def test_real_versus_complex_output_is_a_finding_not_a_crash(env, tmp_path, capsys):
-    scen = env["scen"]
-    ref, tgt = tmp_path / "ref", tmp_path / "tgt"
-    assert run_cli(["record", f"{scen}:kind_flip", "--out", ref], capsys)[0] == 0
-    assert run_cli(["record", f"{scen}:kind_flip", "--out", tgt, "--replay", ref, "--dtype", "bf16"],
-                   capsys)[0] == 0
+    ref, tgt = record_ref_and_bf16(f"{env['scen']}:kind_flip", tmp_path, capsys)
     code, _, err = run_cli(["compare", ref, tgt, "--json", tmp_path / "r.json"], capsys)
     assert code == 1 and not err.strip(), err
     kinds = [f for f in json.loads((tmp_path / "r.json").read_text())["findings"]

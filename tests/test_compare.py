@@ -50,24 +50,26 @@ def test_bf16_target_passes_and_drift_is_explained(traces, name):
     assert not [f for f in rep.findings if f.severity == "error"]
 
 
-@pytest.mark.parametrize("name", BUILTINS)
-def test_scaled_forward_output_is_localized(traces, name, tmp_path):
+def fault_report(traces, name, tmp_path, fault, dtype="fp32"):
+    """Compare the fp32 reference with a target recorded under ``fault`` on a middle Linear."""
     mod = a_middle_linear(name)
-    tgt = record_builtin(name, tmp_path / "t", replay=traces[name]["fp32"],
-                         target_hooks=scale_output(mod, 1.05))
+    tgt = record_builtin(name, tmp_path / "t", dtype=dtype, replay=traces[name]["fp32"],
+                         target_hooks=fault(mod))
     rep = compare(traces[name]["fp32"], tgt)
     assert rep.verdict == "fail"
+    return mod, rep
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_scaled_forward_output_is_localized(traces, name, tmp_path):
+    mod, rep = fault_report(traces, name, tmp_path, lambda m: scale_output(m, 1.05))
     fd = rep.first_divergence
     assert (fd["module"], fd["phase"], fd["step"], fd["slot"]) == (mod, "forward", 0, "output")
 
 
 @pytest.mark.parametrize("name", BUILTINS)
 def test_wrong_gradient_is_localized(traces, name, tmp_path):
-    mod = a_middle_linear(name)
-    tgt = record_builtin(name, tmp_path / "t", replay=traces[name]["fp32"],
-                         target_hooks=scale_input_grad(mod, 1.05))
-    rep = compare(traces[name]["fp32"], tgt)
-    assert rep.verdict == "fail"
+    mod, rep = fault_report(traces, name, tmp_path, lambda m: scale_input_grad(m, 1.05))
     fd = rep.first_divergence
     assert (fd["module"], fd["phase"], fd["slot"]) == (mod, "backward", "grad_input.0")
     # the forward pass is untouched
@@ -76,11 +78,7 @@ def test_wrong_gradient_is_localized(traces, name, tmp_path):
 
 @pytest.mark.parametrize("name", BUILTINS)
 def test_bf16_target_with_a_real_fault_is_localized(traces, name, tmp_path):
-    mod = a_middle_linear(name)
-    tgt = record_builtin(name, tmp_path / "t", dtype="bf16", replay=traces[name]["fp32"],
-                         target_hooks=scale_output(mod, 1.25))
-    rep = compare(traces[name]["fp32"], tgt)
-    assert rep.verdict == "fail"
+    mod, rep = fault_report(traces, name, tmp_path, lambda m: scale_output(m, 1.25), dtype="bf16")
     assert rep.first_divergence["module"] == mod
 
 
@@ -105,7 +103,7 @@ def test_limit_override_flips_the_verdict(traces):
 
 def test_integer_tensor_mismatch_is_exact(tmp_path):
     """A wrong integer buffer (a BatchNorm counter) fails exactly, whatever the floor."""
-    from driftcheck.store import TraceReader, TraceWriter
+    from driftcheck.store import TraceWriter
 
     def make(path, counter):
         w = TraceWriter(path)

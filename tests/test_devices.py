@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from driftcheck import devices
-from driftcheck.devices import describe, open_device, parse_device, prepare_environment, synchronize
+from driftcheck.devices import describe, open_device, parse_device, synchronize
 from driftcheck.errors import DriftcheckError
 
 HAS_CUDA = torch.cuda.is_available()

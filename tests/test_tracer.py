@@ -1,7 +1,6 @@
 """The tracer: what it captures, copies at hook time, call indices, and no effect on the numbers."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
