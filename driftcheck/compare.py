@@ -28,6 +28,7 @@ from driftcheck.store import TraceReader
 MATMUL_KINDS = ("linear", "conv", "composite")
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
+HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
 
 
@@ -613,10 +614,32 @@ class Comparison:
             if t is None:
                 continue  # reported as alignment.missing_in_target; inherits nothing
             entries.append(self._judge(r, t))
+        self._histograms(entries)
         self._trace_findings()
         self._nonfinite_findings(entries)
         self._precision_findings()
         return self._verdict(entries)
+
+    def _histograms(self, entries: list[Entry]) -> None:
+        """Error histograms (log10 |target - reference|) for the entries a reader looks at first:
+        the first over the limit and the worst by ratio. Streamed like the metrics."""
+        first = next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
+        judged = sorted((e for e in entries if e.ratio is not None),
+                        key=lambda e: -(e.ratio if not math.isnan(e.ratio) else math.inf))
+        chosen = ([first] if first is not None else []) + judged[:HISTOGRAMS]
+        seen: set[str] = set()
+        for e in chosen:
+            if e.key in seen:
+                continue
+            seen.add(e.key)
+            r = self.ref_index.by_align[(e.step, e.phase, e.module, e.call, e.slot)]
+            t = self.tgt_map[(e.step, e.phase, e.module, e.call, e.slot)]
+            a, b = self.ref.tensor(r), self.tgt.tensor(t)
+            if a is None or b is None or a.shape != b.shape or a.is_complex() or b.is_complex():
+                continue
+            h = mx.error_histogram(a, b, 30, chunk_elems=self.chunk_elems)
+            e.details["histogram"] = {"edges": list(h.edges), "counts": list(h.counts),
+                                      "exact": h.exact}
 
     def _trace_findings(self) -> None:
         for side, reader in (("target", self.tgt), ("reference", self.ref)):

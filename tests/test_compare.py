@@ -117,3 +117,18 @@ def test_integer_tensor_mismatch_is_exact(tmp_path):
     rep = compare(tmp_path / "a", tmp_path / "b")
     assert rep.verdict == "fail"
     assert rep.entries[0].decided_by == "exact" and math.isinf(rep.entries[0].ratio)
+
+
+def test_worst_entries_carry_error_histograms(traces, tmp_path):
+    """The HTML report's detail sections need the error histogram of the entries shown."""
+    mod, rep = fault_report(traces, "llama", tmp_path, lambda m: scale_output(m, 1.05))
+    first = next(e for e in rep.entries if e.key == rep.first_divergence["key"])
+    with_hist = [e for e in rep.entries if "histogram" in e.details]
+    assert first in with_hist and 2 <= len(with_hist) <= 9
+    for e in with_hist:
+        h = e.details["histogram"]
+        assert sum(h["counts"]) + h["exact"] == e.metrics["count_finite"]
+        assert len(h["edges"]) == len(h["counts"]) + 1
+    from driftcheck.render.html import render_html
+
+    assert render_html(rep).count("error histogram") >= 2
