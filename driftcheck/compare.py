@@ -471,6 +471,10 @@ class Comparison:
                                 fl.relative(m.get("max_abs", 0.0), scale_max),
                                 m.get("rms", 0.0), m.get("max_abs", 0.0),
                                 scale_rms / ref_rms if ref_rms > 0 else 1.0)
+        if m.get("nonfinite_new") or m.get("nonfinite_mismatch"):
+            # NaN/Inf where the reference is finite: whatever depends on it can be anything
+            # (its metrics only see the finite positions); nonfinite.origin names the source.
+            self.errors[a] = self.errors[a]._replace(rel_rms=fl.REL_CAP, rel_max=fl.REL_CAP)
         ignore = self.policy.ignore_reason(r["module"], r["phase"], r["step"])
         if not _is_float(r["dtype"]):
             return self._judge_integer(r, m, base, details, ignore)

@@ -132,3 +132,20 @@ def test_worst_entries_carry_error_histograms(traces, tmp_path):
     from driftcheck.render.html import render_html
 
     assert render_html(rep).count("error histogram") >= 2
+
+
+def test_nan_downstream_is_not_blamed_as_drift(tmp_path):
+    """Pure-fp16 Adam divides by eps = 1e-8, which is 0 in fp16: Inf in Whisper's conv1 update.
+    That is the origin; the next step's entries depend on it and must not show up as drift of
+    their own (before the fix, two step-1 fc2 gradients did, at ratio 9)."""
+    pytest.importorskip("transformers")
+    from driftcheck.runner import record
+
+    ref = record(load_scenario("hf:whisper"), tmp_path / "ref", force=True, model_id="hf:whisper")
+    tgt = record(load_scenario("hf:whisper"), tmp_path / "t", dtype="fp16", replay=ref, force=True)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "fail"
+    fd = rep.first_divergence
+    assert (fd["status"], fd["phase"], fd["step"]) == ("nonfinite", "optimizer", 0)
+    assert [f.key for f in rep.findings if f.kind == "nonfinite.origin"] == [fd["key"]]
+    assert not [e.key for e in rep.entries if e.status == "drift"]
