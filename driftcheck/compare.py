@@ -29,6 +29,7 @@ MATMUL_KINDS = ("linear", "conv", "composite")
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
+HISTOGRAM_BINS = 40  # at most, each a whole number of binades of |target - reference|
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
 
 
@@ -163,6 +164,15 @@ class _Error(NamedTuple):
     mu: float = 1.0  # magnitude / rms of the reference (> 1 where terms cancel)
 
 
+class _Measured(NamedTuple):
+    """One pair read and measured: its metrics, what they were measured on ("full", "sample" or
+    "stats") and the error histogram of the elements read (None for "stats")."""
+
+    metrics: dict[str, Any]
+    how: str
+    histogram: mx.ErrorHistogram | None
+
+
 _WRONG = _Error(fl.REL_CAP, fl.REL_CAP, 0.0, 0.0)  # misaligned: fully wrong, no measured size
 _NONE = _Error(0.0, 0.0, 0.0, 0.0)
 
@@ -192,7 +202,8 @@ class Comparison:
                  chunk_elems: int = 1 << 17, workers: int | None = None) -> None:
         self.ref, self.tgt, self.truth = ref, tgt, truth
         self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
-        self._measured: dict[tuple, tuple[dict[str, Any], str]] = {}
+        self._measured: dict[tuple, _Measured] = {}
+        self._histograms_by_key: dict[str, mx.ErrorHistogram] = {}
         self.policy = policy or Policy.default()
         self.limit_override = limit
         self.chunk_elems = chunk_elems
@@ -259,25 +270,25 @@ class Comparison:
                 key=es[0]["key"], details={"count": len(es), "keys": [x["key"] for x in es[:10]]}))
 
     # -- one pair --------------------------------------------------------------------------------
-    def _pair_metrics(self, r: dict, t: dict) -> tuple[dict[str, Any], str]:
+    def _pair_metrics(self, r: dict, t: dict) -> _Measured:
         measured = self._measured.pop(_align(r), None)
         return measured if measured is not None else self._measure(r, t)
 
-    def _measure(self, r: dict, t: dict) -> tuple[dict[str, Any], str]:
+    def _measure(self, r: dict, t: dict) -> _Measured:
         return self._measure_between(self.ref, r, self.tgt, t)
 
-    def _measure_between(self, ref: TraceReader, r: dict, tgt: TraceReader,
-                         t: dict) -> tuple[dict[str, Any], str]:
+    def _measure_between(self, ref: TraceReader, r: dict, tgt: TraceReader, t: dict) -> _Measured:
         """Metrics of ``t`` (in ``tgt``) against ``r`` (in ``ref``): streamed from the full
         tensors, else the stats-mode samples (the same seeded indices on both runs), else
-        estimated from the summary statistics. Returns (metrics, "full"|"sample"|"stats")."""
+        estimated from the summary statistics; with the error histogram of the elements read
+        (None when estimated from statistics), in the same pass."""
         rc = ref.chunks(r, self.chunk_elems)
         tc = tgt.chunks(t, self.chunk_elems)
         how = "full"
         if rc is None or tc is None:
             rs, ts = ref.tensor(r, "sample"), tgt.tensor(t, "sample")
             if rs is None or ts is None or rs.shape != ts.shape:
-                return _stats_metrics(r["stats"], t["stats"]), "stats"
+                return _Measured(_stats_metrics(r["stats"], t["stats"]), "stats", None)
             rc, tc, how = iter([rs.reshape(-1)]), iter([ts.reshape(-1)]), "sample"
         acc = mx.ErrorAccumulator(r["dtype"], t["dtype"])
         sat = _saturation(r, t)
@@ -294,12 +305,12 @@ class Comparison:
             m["ref_rms"] = _rms_of(r["stats"])
             m["ref_absmax"] = r["stats"].get("absmax", m.get("ref_absmax"))
             m["estimated_from"] = "sample"
-        return m, how
+        return _Measured(m, how, acc.histogram(HISTOGRAM_BINS))
 
     def _measure_all(self, pairs: list[tuple[dict, dict]]) -> None:
         """Metrics of every pair, on ``workers`` threads (torch releases the GIL in its kernels);
         floors and ratios, which depend on earlier entries, are then judged in order."""
-        self._measured: dict[tuple, tuple[dict[str, Any], str]] = {}
+        self._measured = {}
         todo = [(r, t) for r, t in pairs if list(r["shape"]) == list(t["shape"])
                 and _dtype_kind(r["dtype"]) == _dtype_kind(t["dtype"])]
         if self.workers <= 1 or len(todo) < 2:
@@ -451,7 +462,9 @@ class Comparison:
                 "integer, both real or both complex)", phase=r["phase"], key=r["key"]))
             self.errors[a] = _WRONG
             return Entry(**base, metrics={}, floor=None, ratio=None, status=MISALIGNED, rule=rule)
-        m, how = self._pair_metrics(r, t)
+        m, how, hist = self._pair_metrics(r, t)
+        if hist is not None:
+            self._histograms_by_key[r["key"]] = hist
         judged = m
         details: dict[str, Any] = {"ref_stats": r["stats"], "tgt_stats": t["stats"],
                                    "ref_dtype": r["dtype"], "tgt_dtype": t["dtype"],
@@ -562,7 +575,7 @@ class Comparison:
         le = self.local_map.get(_align(r))
         if le is None or list(le["shape"]) != list(r["shape"]) or not _is_float(le["dtype"]):
             return None
-        m, _ = self._measure_between(self.ref, r, self.tgt, le)
+        m = self._measure_between(self.ref, r, self.tgt, le).metrics
         f = fl.floor(dataclasses.replace(fi, inherited_rms=0.0, inherited_max=0.0))
         ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
         status = NONFINITE if m.get("nonfinite_new", 0) > 0 else (DRIFT if ratio > limit else OK)
@@ -582,8 +595,8 @@ class Comparison:
         te = self.truth_map.get(_align(r))
         if te is None or list(te["shape"]) != list(r["shape"]) or not _is_float(te["dtype"]):
             return None
-        err_t, _ = self._measure_between(self.truth, te, self.tgt, t)
-        err_r, _ = self._measure_between(self.truth, te, self.ref, r)
+        err_t = self._measure_between(self.truth, te, self.tgt, t).metrics
+        err_r = self._measure_between(self.truth, te, self.ref, r).metrics
         if err_t.get("nonfinite_new", 0) or err_r.get("nonfinite_new", 0):
             return None
         mult = TRUTH_M_LOW if t["dtype"] in ("bfloat16", "float16") else TRUTH_M
@@ -625,25 +638,16 @@ class Comparison:
         return self._verdict(entries)
 
     def _histograms(self, entries: list[Entry]) -> None:
-        """Error histograms (log10 |target - reference|) for the entries a reader looks at first:
-        the first over the limit and the worst by ratio. Streamed like the metrics."""
+        """Error histograms (log10 |target - reference|, measured in the metrics pass) for the
+        entries a reader looks at first: the first over the limit and the worst by ratio."""
         first = next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
         judged = sorted((e for e in entries if e.ratio is not None),
                         key=lambda e: -(e.ratio if not math.isnan(e.ratio) else math.inf))
-        chosen = ([first] if first is not None else []) + judged[:HISTOGRAMS]
-        seen: set[str] = set()
-        for e in chosen:
-            if e.key in seen:
-                continue
-            seen.add(e.key)
-            r = self.ref_index.by_align[(e.step, e.phase, e.module, e.call, e.slot)]
-            t = self.tgt_map[(e.step, e.phase, e.module, e.call, e.slot)]
-            a, b = self.ref.tensor(r), self.tgt.tensor(t)
-            if a is None or b is None or a.shape != b.shape or a.is_complex() or b.is_complex():
-                continue
-            h = mx.error_histogram(a, b, 30, chunk_elems=self.chunk_elems)
-            e.details["histogram"] = {"edges": list(h.edges), "counts": list(h.counts),
-                                      "exact": h.exact}
+        for e in ([first] if first is not None else []) + judged[:HISTOGRAMS]:
+            h = self._histograms_by_key.get(e.key)
+            if h is not None and "histogram" not in e.details:
+                e.details["histogram"] = {"edges": list(h.edges), "counts": list(h.counts),
+                                          "exact": h.exact}
 
     def _trace_findings(self) -> None:
         for side, reader in (("target", self.tgt), ("reference", self.ref)):

@@ -11,8 +11,9 @@ dict before touching any shard.
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 FORMAT_NAME = "driftcheck.trace"
@@ -202,16 +203,12 @@ def _check_meta(i: int, meta: Any) -> None:
         raise FormatError(f"manifest entry {i} meta 'mag_rms' is not a non-negative number")
 
 
-def json_safe(obj: Any) -> Any:
-    """``obj`` with every non-finite float replaced by None: strict JSON has no NaN/Inf, and a
-    statistic over a tensor without a finite value (all NaN, zero-size) simply has no value."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
+def json_safe(obj: Any, default: Callable[[Any], Any] | None = None) -> Any:
+    """``obj`` as plain JSON data with every non-finite float replaced by None: strict JSON has
+    no NaN/Inf, and a statistic over a tensor without a finite value (all NaN, zero-size) simply
+    has no value. ``default`` converts what json cannot encode (as ``json.dumps``'s). One trip
+    through the C encoder and decoder: NaN/Infinity tokens come back as None."""
+    return json.loads(json.dumps(obj, default=default), parse_constant=lambda _: None)
 
 
 def check_shard_name(name: Any) -> str:

@@ -1,10 +1,11 @@
 """Error metrics between a reference tensor and a target tensor, in float64, chunk by chunk.
 
 Pure numerics: no filesystem, no click/rich. Every tensor is read in flat chunks that are moved
-to the CPU and upcast to float64 one at a time, so memory stays bounded by the chunk size however
-large the tensor. Sums are float64 within a chunk (torch's cascade sum) and compensated
-(Neumaier) across chunks, so results do not depend on the chunk size beyond float64 rounding;
-maxima, counts and ``max_abs_index`` are exactly independent of it.
+to the CPU one at a time and measured in float64 by one compiled pass (``kernels.py``: each value
+widened in registers, never a float64 copy of the chunk), so memory stays bounded by the chunk
+size however large the tensor. Sums are float64 within a chunk (vectorized partial sums) and
+compensated (Neumaier) across chunks, so results do not depend on the chunk size beyond float64
+rounding; maxima, counts, ``max_abs_index`` and the error histogram are exactly independent of it.
 
 ``tensor_error`` / ``ErrorAccumulator.result()`` return a flat dict:
 
@@ -37,11 +38,13 @@ Integer and bool tensors are compared like floats (ulp 1, tolerances 0); int64 v
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from driftcheck import kernels
 from driftcheck.errors import DriftcheckError
 
 DTypeLike = torch.dtype | str
@@ -189,16 +192,34 @@ class _Sum:
         return self.total + self.comp
 
 
-def _as_float64(chunk: torch.Tensor) -> torch.Tensor:
-    """Flat float64 CPU copy of one chunk; complex as interleaved (real, imag)."""
+_WIDE = (torch.float32, torch.float64)
+
+
+def _as_array(chunk: torch.Tensor) -> np.ndarray:
+    """Flat CPU numpy view (or exact widening) of one chunk for the kernels: float32 and float64
+    as they are, narrower floats (fp16, bf16, fp8) widened to float32 (exact), integers and bool
+    to float64; complex as interleaved (real, imag)."""
     c = chunk.detach()
     if c.is_complex():
         c = torch.view_as_real(c)
-    # Move first, then upcast: TPU/MPS have no float64.
-    return c.reshape(-1).to("cpu").to(torch.float64)
+    c = c.reshape(-1).to("cpu")  # move first, then widen: TPU/MPS have no float64
+    if c.dtype not in _WIDE:
+        c = c.to(torch.float32 if c.is_floating_point() else torch.float64)
+    return c.numpy()
 
 
-_EXPONENT_BITS = 0x7FF0000000000000  # sign and mantissa cleared: the power of two of a float64
+_LOG10_2 = math.log10(2.0)
+
+
+class ErrorHistogram(NamedTuple):
+    """Histogram of log10 |t - r| over finite pairs with a non-zero error: ``counts[i]`` errors
+    in [edges[i], edges[i+1]). Edges lie on powers of two (``k * log10 2``): one bin per binade,
+    or whole groups of binades when the errors span more than the bins asked for.
+    ``exact``: finite pairs with no error."""
+
+    edges: list[float]
+    counts: list[int]
+    exact: int
 
 
 class ErrorAccumulator:
@@ -214,6 +235,7 @@ class ErrorAccumulator:
         for r, t in zip(ref_chunks, tgt_chunks):
             acc.update(r, t)
         acc.result()["max_ulp"]
+        acc.histogram()  # log10 |t - r|, one bin per binade
     """
 
     def __init__(self, ref_dtype: DTypeLike, tgt_dtype: DTypeLike,
@@ -224,110 +246,57 @@ class ErrorAccumulator:
         d_rtol, d_atol = default_tolerances(self.coarse)
         self.rtol: float = d_rtol if rtol is None else float(rtol)
         self.atol: float = d_atol if atol is None else float(atol)
+        if _is_exact(self.coarse):
+            self._unit, self._tiny = 0.0, 0.0
+        else:
+            self._unit, self._tiny = _eps_tiny(self.coarse)
         self._n = 0
-        self._n_pair = 0
-        self._n_ref = 0
-        self._n_tgt = 0
-        self._abs, self._sq = _Sum(), _Sum()
-        self._rr, self._tt, self._rt = _Sum(), _Sum(), _Sum()
-        self._ref_sq, self._tgt_sq = _Sum(), _Sum()
+        self._sums = {f: _Sum() for f in ("abs", "sq", "rr", "tt", "rt", "ref_sq", "tgt_sq")}
+        self._counts = dict.fromkeys(
+            ("n_pair", "n_ref", "n_tgt", "outside", "exact", "nan_ref", "nan_tgt", "inf_ref",
+             "inf_tgt", "nonfinite_new", "nonfinite_mismatch"), 0)
         self._max_abs = 0.0
         self._max_index = -1
         self._max_ulp = 0.0
-        self._outside = 0
         self._ref_absmax = 0.0
-        self._counts = dict.fromkeys(
-            ("nan_ref", "nan_tgt", "inf_ref", "inf_tgt", "nonfinite_new", "nonfinite_mismatch"), 0
-        )
+        self._hist = np.zeros(kernels.HIST_BINS, dtype=np.int64)
 
     def update(self, ref_chunk: torch.Tensor, tgt_chunk: torch.Tensor) -> None:
         """Add the next chunk pair (same number of elements; any dtype, any device)."""
-        r, t = _as_float64(ref_chunk), _as_float64(tgt_chunk)
-        if r.numel() != t.numel():
-            raise ValueError(f"chunk sizes differ: reference {r.numel()}, target {t.numel()}")
-        offset, n = self._n, r.numel()
-        self._n += n
-        if n == 0:
+        r, t = _as_array(ref_chunk), _as_array(tgt_chunk)
+        if r.size != t.size:
+            raise ValueError(f"chunk sizes differ: reference {r.size}, target {t.size}")
+        if r.dtype != t.dtype:
+            r, t = r.astype(np.float64), t.astype(np.float64)
+        offset = self._n
+        self._n += r.size
+        if r.size == 0:
             return
-        if not _is_exact(self.coarse):
-            rr, tt = float(torch.dot(r, r)), float(torch.dot(t, t))
-            if math.isfinite(rr) and math.isfinite(tt):  # finite sums of squares: all finite
-                self._update_finite(r, t, offset, n, rr, tt)
-                return
-        fr, ft = torch.isfinite(r), torch.isfinite(t)
-        nan_r, nan_t = torch.isnan(r), torch.isnan(t)
-        c = self._counts
-        c["nan_ref"] += int(nan_r.sum())
-        c["nan_tgt"] += int(nan_t.sum())
-        c["inf_ref"] += int(torch.isinf(r).sum())
-        c["inf_tgt"] += int(torch.isinf(t).sum())
-        c["nonfinite_new"] += int((fr & ~ft).sum())
-        # Both non-finite agree only when equal (same-sign inf) or both NaN.
-        agree = (r == t) | (nan_r & nan_t)
-        c["nonfinite_mismatch"] += int(((fr ^ ft) | (~fr & ~ft & ~agree)).sum())
-
-        both = fr & ft
-        zero = torch.zeros((), dtype=torch.float64)
-        # Zero out non-pair positions instead of gathering: indices stay flat, sums unaffected.
-        r0, t0 = torch.where(both, r, zero), torch.where(both, t, zero)
-        e = t0 - r0
-        ae = e.abs()
-        self._n_pair += int(both.sum())
-        self._abs.add(float(ae.sum()))
-        self._sq.add(float((e * e).sum()))
-        self._rr.add(float((r0 * r0).sum()))
-        self._tt.add(float((t0 * t0).sum()))
-        self._rt.add(float((r0 * t0).sum()))
-        m = float(ae.max())
-        if m > self._max_abs:  # strict: the first chunk holding the max keeps it
-            self._max_abs = m
-            self._max_index = offset + int(ae.argmax())  # argmax: first occurrence
-        ar = r0.abs()
-        self._max_ulp = max(self._max_ulp, float((ae / ulp(ar, self.coarse)).max()))
-        self._outside += int((both & (ae > self.atol + self.rtol * ar)).sum())
-
-        rf = torch.where(fr, r, zero)
-        tf = torch.where(ft, t, zero)
-        self._n_ref += int(fr.sum())
-        self._n_tgt += int(ft.sum())
-        self._ref_sq.add(float((rf * rf).sum()))
-        self._tgt_sq.add(float((tf * tf).sum()))
-        self._ref_absmax = max(self._ref_absmax, float(rf.abs().max()))
-
-    def _update_finite(self, r: torch.Tensor, t: torch.Tensor, offset: int, n: int,
-                       rr: float, tt: float) -> None:
-        # The common case, every value finite: the same metrics in far fewer passes (dot
-        # products for sums of squares, the ULP spacing read off the float64 exponent bits, no
-        # masking), which keeps compare near memory speed.
-        e = t - r
-        ae = e.abs()
-        m = float(ae.max())
-        if m > self._max_abs:  # strict: the first chunk holding the max keeps it
-            self._max_abs = m
-            self._max_index = offset + int(ae.argmax())  # argmax: first occurrence
-        self._n_pair += n
-        self._n_ref += n
-        self._n_tgt += n
-        self._abs.add(float(ae.sum()))
-        self._sq.add(float(torch.dot(e, e)))
-        self._rr.add(rr)
-        self._tt.add(tt)
-        self._rt.add(float(torch.dot(r, t)))
-        self._ref_sq.add(rr)
-        self._tgt_sq.add(tt)
-        ar = r.abs()
-        self._ref_absmax = max(self._ref_absmax, float(ar.max()))
-        # ulp(|r|) = eps * 2^floor(log2 max(|r|, tiny)): zeroing the mantissa bits of a normal
-        # float64 gives 2^floor(log2 x) exactly; below tiny the subnormal step tiny*eps.
-        eps, tiny = _eps_tiny(self.coarse)
-        pow2 = (ar.clamp(min=tiny).view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
-        self._max_ulp = max(self._max_ulp, float((ae / pow2).max()) / eps)
-        self._outside += int(torch.count_nonzero(ae > ar.mul_(self.rtol).add_(self.atol)))
+        hist = np.zeros(kernels.HIST_BINS, dtype=np.int64)
+        args = (r, t, self.rtol, self.atol, self._tiny, self._unit, hist)
+        p = dict(zip(kernels.FIELDS, kernels.finite_pass(*args)))
+        if math.isfinite(p["rr"]) and math.isfinite(p["tt"]):  # finite sums: every value finite
+            if p["max_abs"] > self._max_abs:
+                p["max_index"] = kernels.first_index(r, t, p["max_abs"])
+        else:
+            hist[:] = 0
+            p = dict(zip(kernels.FIELDS, kernels.general_pass(*args)))
+        self._hist += hist
+        for f, s in self._sums.items():
+            s.add(p[f])
+        for f in self._counts:
+            self._counts[f] += p[f]
+        if p["max_abs"] > self._max_abs:  # strict: the first chunk holding the max keeps it
+            self._max_abs = p["max_abs"]
+            self._max_index = offset + p["max_index"]
+        self._max_ulp = max(self._max_ulp, p["max_ulp"])
+        self._ref_absmax = max(self._ref_absmax, p["ref_absmax"])
 
     def result(self) -> dict[str, float | int]:
         """The metrics so far (keys in the module docstring)."""
-        n = self._n_pair
-        sq, rr, tt = self._sq.value, self._rr.value, self._tt.value
+        c = self._counts
+        n = c["n_pair"]
+        sq, rr, tt = (self._sums[f].value for f in ("sq", "rr", "tt"))
         if sq == 0.0:
             rel_l2, sqnr = 0.0, math.inf
         elif rr == 0.0:
@@ -340,26 +309,48 @@ class ErrorAccumulator:
             cosine = 0.0
         else:
             # sqrt separately: rr * tt can overflow float64 for fp64 data near its range.
-            cosine = max(-1.0, min(1.0, self._rt.value / (math.sqrt(rr) * math.sqrt(tt))))
+            cosine = max(-1.0, min(1.0, self._sums["rt"].value / (math.sqrt(rr) * math.sqrt(tt))))
+        n_ref, n_tgt = c["n_ref"], c["n_tgt"]
         return {
             "count": self._n,
             "count_finite": n,
             "max_abs": self._max_abs,
             "max_abs_index": self._max_index,
-            "mean_abs": self._abs.value / n if n else 0.0,
+            "mean_abs": self._sums["abs"].value / n if n else 0.0,
             "rms": math.sqrt(sq / n) if n else 0.0,
             "rel_l2": rel_l2,
             "cosine": cosine,
             "max_ulp": self._max_ulp,
-            "frac_outside": self._outside / n if n else 0.0,
+            "frac_outside": c["outside"] / n if n else 0.0,
             "rtol": self.rtol,
             "atol": self.atol,
             "sqnr_db": sqnr,
-            "ref_rms": math.sqrt(self._ref_sq.value / self._n_ref) if self._n_ref else 0.0,
+            "ref_rms": math.sqrt(self._sums["ref_sq"].value / n_ref) if n_ref else 0.0,
             "ref_absmax": self._ref_absmax,
-            "tgt_rms": math.sqrt(self._tgt_sq.value / self._n_tgt) if self._n_tgt else 0.0,
-            **self._counts,
+            "tgt_rms": math.sqrt(self._sums["tgt_sq"].value / n_tgt) if n_tgt else 0.0,
+            **{k: c[k] for k in ("nan_ref", "nan_tgt", "inf_ref", "inf_tgt", "nonfinite_new",
+                                 "nonfinite_mismatch")},
         }
+
+    def histogram(self, max_bins: int = 40) -> ErrorHistogram:
+        """Histogram of log10 |t - r| so far: one bin per binade of the float64 error, whole
+        groups of binades when the errors span more than ``max_bins``; empty edges and counts
+        when no finite pair differs."""
+        if max_bins < 1:
+            raise ValueError(f"max_bins must be >= 1, got {max_bins}")
+        h = self._hist.copy()
+        exact = self._counts["exact"]
+        h[1] += h[0] - exact  # float64-subnormal errors (bin 0 beside the exact zeros)
+        h[0] = 0
+        nz = np.flatnonzero(h)
+        if nz.size == 0:
+            return ErrorHistogram([], [], exact)
+        lo, hi = int(nz[0]), int(nz[-1]) + 1
+        group = -(-(hi - lo) // max_bins)
+        starts = range(lo, hi, group)
+        counts = [int(h[k:k + group].sum()) for k in starts]
+        edges = [(k - 1023) * _LOG10_2 for k in [*starts, starts[-1] + group]]
+        return ErrorHistogram(edges, counts, exact)
 
 
 def _flat_chunks(t: torch.Tensor, chunk_elems: int) -> Iterator[torch.Tensor]:
@@ -430,79 +421,19 @@ def tensor_error(
     return acc.result()
 
 
-def _pair_chunks(ref: torch.Tensor, tgt: torch.Tensor, chunk_elems: int
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for r, t in zip(_flat_chunks(ref, chunk_elems), _flat_chunks(tgt, chunk_elems)):
-        yield _as_float64(r), _as_float64(t)
-
-
-def _log_errors(r: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """log10 |t - r| over finite pairs with a non-zero error, and the count of exact matches."""
-    both = torch.isfinite(r) & torch.isfinite(t)
-    ae = (t[both] - r[both]).abs()
-    nonzero = ae > 0
-    return torch.log10(ae[nonzero]), int((~nonzero).sum())
-
-
-class ErrorHistogram(NamedTuple):
-    """Histogram of log10 |t - r|: ``counts[i]`` errors in [edges[i], edges[i+1]), the last bin
-    closed; errors beyond the edges fall in the end bins. ``exact``: finite pairs with no error."""
-
-    edges: list[float]
-    counts: list[int]
-    exact: int
-
-
-def error_histogram(
-    ref: torch.Tensor,
-    tgt: torch.Tensor,
-    bins: int | Sequence[float] = 40,
-    *,
-    chunk_elems: int = 1 << 20,
-) -> ErrorHistogram:
-    """Histogram of log10 |tgt - ref| over finite pairs with a non-zero error, streamed.
-
-    Args:
-        bins: a number of equal bins spanning whole decades around the observed errors (two
-            passes over the data), or explicit edges in log10 units (one pass).
-
-    Returns:
-        ``ErrorHistogram(edges, counts, exact)``; with ``bins`` an int and no non-zero error,
-        ``edges`` and ``counts`` are empty.
+def error_histogram(ref: torch.Tensor, tgt: torch.Tensor, max_bins: int = 40, *,
+                    chunk_elems: int = 1 << 20) -> ErrorHistogram:
+    """Histogram of log10 |tgt - ref| over finite pairs with a non-zero error, streamed
+    (``ErrorAccumulator.histogram``).
 
     Example:
-        h = error_histogram(ref, tgt, 30)  # h.edges[0] == -7.0 means bins start at 1e-7
+        h = error_histogram(ref, tgt)  # h.edges[0] == -24 * log10(2): errors from 2^-24 up
     """
     _check_pair(ref, tgt, chunk_elems)
-    if isinstance(bins, int):
-        if bins < 1:
-            raise ValueError(f"bins must be >= 1, got {bins}")
-        lo, hi = math.inf, -math.inf
-        for r, t in _pair_chunks(ref, tgt, chunk_elems):
-            logs, _ = _log_errors(r, t)
-            if logs.numel():
-                lo, hi = min(lo, float(logs.min())), max(hi, float(logs.max()))
-        if lo > hi:
-            exact = sum(_log_errors(r, t)[1] for r, t in _pair_chunks(ref, tgt, chunk_elems))
-            return ErrorHistogram([], [], exact)
-        lo, hi = math.floor(lo), math.ceil(hi)
-        hi = hi if hi > lo else lo + 1
-        edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
-    else:
-        edges = torch.tensor([float(e) for e in bins], dtype=torch.float64)
-        if edges.numel() < 2 or not bool((edges[1:] > edges[:-1]).all()):
-            raise ValueError("bins must be at least two strictly increasing edges")
-    nbins = edges.numel() - 1
-    counts = torch.zeros(nbins, dtype=torch.int64)
-    exact = 0
-    for r, t in _pair_chunks(ref, tgt, chunk_elems):
-        logs, ex = _log_errors(r, t)
-        exact += ex
-        # right=True: boundaries[i-1] <= v < boundaries[i]; inner edges only, so the end bins
-        # take everything beyond the outer edges.
-        idx = torch.bucketize(logs, edges[1:-1].contiguous(), right=True)
-        counts += torch.bincount(idx, minlength=nbins)
-    return ErrorHistogram(edges.tolist(), [int(c) for c in counts], exact)
+    acc = ErrorAccumulator(ref.dtype, tgt.dtype)
+    for r, t in zip(_flat_chunks(ref, chunk_elems), _flat_chunks(tgt, chunk_elems)):
+        acc.update(r, t)
+    return acc.histogram(max_bins)
 
 
 SUMMARY_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel", "zeros")
@@ -522,7 +453,7 @@ def summary_stats(t: torch.Tensor, *, chunk_elems: int = 1 << 20) -> dict[str, f
     sq = _Sum()
     nan = inf = zeros = 0
     for chunk in _flat_chunks(t, chunk_elems):
-        x = _as_float64(chunk.abs() if chunk.is_complex() else chunk)
+        x = torch.from_numpy(_as_array(chunk.abs() if chunk.is_complex() else chunk)).double()
         n_all += x.numel()
         nan += int(torch.isnan(x).sum())
         inf += int(torch.isinf(x).sum())

@@ -8,6 +8,7 @@ floor uses for a matmul-like op.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -94,6 +95,14 @@ def _amx_bf16() -> bool:
 def _versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
                                     "cuda": torch.version.cuda}
+    found.update(_package_versions())
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _package_versions() -> dict[str, str | None]:
+    """Installed versions (reading package metadata costs ~2 ms each: once per process)."""
+    found: dict[str, str | None] = {}
     for key, dist in _VERSION_PACKAGES.items():
         try:
             found[key] = importlib.metadata.version(dist)

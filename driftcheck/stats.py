@@ -73,15 +73,17 @@ def _base_stats(t: torch.Tensor) -> torch.Tensor:
     ])
 
 
-def to_dict(vec: list[float]) -> dict[str, float | int]:
+def to_dict(vec: list[float]) -> dict[str, float | int | None]:
     """Host-side stats vector -> manifest dict (counts as ints)."""
-    d: dict[str, float | int] = {}
+    d: dict[str, float | int | None] = {}
     for name, v in zip(COLUMNS, vec):
         if name in FP8_FIELDS:
             if v == v:  # NaN: not an fp8 tensor
                 d[name] = int(v)
         else:
-            d[name] = int(v) if name in ("nan", "inf", "numel") else float(v)
+            # No finite value (all NaN, zero-size): no min/max/mean/std, null in the manifest.
+            d[name] = int(v) if name in ("nan", "inf", "numel") else (
+                float(v) if math.isfinite(v) else None)
     return d
 
 
@@ -100,6 +102,28 @@ def sample_indices(key: str, numel: int, seed: int) -> np.ndarray:
     base = _base_points(seed)
     shift = zlib.crc32(key.encode()) / 2.0**32
     return np.minimum(((base + shift) % 1.0 * numel).astype(np.int64), numel - 1)
+
+
+def _flat_sample_indices(keys: list[str], lengths: list[int], offsets: np.ndarray,
+                         seed: int) -> np.ndarray:
+    """``sample_indices`` of many tensors, tensor i starting at ``offsets[i]`` in a flat
+    buffer, concatenated: the same numbers, computed in one compiled pass."""
+    lengths_a = np.asarray(lengths, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    big = lengths_a > SAMPLE_SIZE
+    out = np.empty((len(keys), SAMPLE_SIZE), dtype=np.int64)
+    if big.any():
+        from driftcheck import kernels  # numba: imported where it is used
+
+        shift = np.array([zlib.crc32(k.encode()) for k, b in zip(keys, big) if b]) / 2.0**32
+        rows = np.empty((int(big.sum()), SAMPLE_SIZE), dtype=np.int64)
+        kernels.sample_positions(_base_points(seed), shift, lengths_a[big], offsets[big], rows)
+        if big.all():
+            return rows.reshape(-1)
+        out[big] = rows
+    parts = [out[i] if b else np.arange(n, dtype=np.int64) + o
+             for i, (b, n, o) in enumerate(zip(big, lengths_a, offsets))]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=8)
@@ -162,22 +186,23 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
         x = x.float()  # torch.std of a half tensor returns a half: keep the summary exact
     # Cascade (pairwise) sums in the tensor's dtype: relative error ~1e-7 in float32, plenty
     # for a summary, at a third of the cost of a float64 accumulation.
-    s = x.sum().double()
-    l2 = torch.linalg.vector_norm(x).double()
-    mn, mx = torch.aminmax(x)
-    if not all(math.isfinite(float(v)) for v in (s, l2, mn, mx)):
+    s = float(x.sum())
+    l2 = float(torch.linalg.vector_norm(x))
+    mn, mx = (float(v) for v in torch.aminmax(x))
+    if not all(math.isfinite(v) for v in (s, l2, mn, mx)):
         return stats_vector(t)  # NaN/Inf (or a float32 overflow): the exact float64 path
     n = x.numel()
     mean = s / n
-    var = float(l2 * l2 / n - mean * mean)
-    if var > 1e-3 * float(mean * mean):
-        std = torch.tensor(math.sqrt(var), dtype=torch.float64)  # no cancellation to fear
+    var = l2 * l2 / n - mean * mean
+    if var > 1e-3 * mean * mean:
+        std = math.sqrt(var)  # no cancellation to fear
     else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
-        std = torch.std(x, correction=0).double()
-    mn, mx = mn.double(), mx.double()
+        std = float(torch.std(x, correction=0))
     nan = float("nan")
-    return torch.stack([mn, mx, mean, std, torch.maximum(mn.abs(), mx.abs()), l2,
-                        *torch.tensor([0.0, 0.0, float(n), nan, nan], dtype=torch.float64)])
+    # One host tensor from Python floats (the values are on the host already): building the row
+    # from 0-d tensors costs more than the three passes over a mid-sized tensor.
+    return torch.tensor([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan],
+                        dtype=torch.float64)
 
 
 def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
@@ -188,11 +213,25 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
     flat = torch.cat([t.detach().reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].detach().reshape(-1)
     samples: list[torch.Tensor | None] = [None] * len(ts)
     if any(k is not None for k in keys):
-        offsets = np.cumsum([0] + lengths[:-1])
-        picks = [sample_indices(k, n, seed) + o for k, n, o in zip(keys, lengths, offsets) if k is not None]
-        gathered = flat[torch.from_numpy(np.concatenate(picks)).to(dev)]
-        parts = iter(gathered.split([len(p) for p in picks]))
+        sampled = [i for i, k in enumerate(keys) if k is not None]
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        picks = _flat_sample_indices([keys[i] for i in sampled], [lengths[i] for i in sampled],
+                                     offsets[sampled], seed)
+        gathered = flat.index_select(0, torch.from_numpy(picks).to(dev))
+        parts = iter(gathered.split([min(lengths[i], SAMPLE_SIZE) for i in sampled]))
         samples = [next(parts) if k is not None else None for k in keys]
+    if dev.type == "cpu" and dtype not in _FP8:
+        # On the host: one compiled pass per tensor over the values as stored (widened in
+        # registers), no float64 copy of the group and no masking passes.
+        from driftcheck import kernels  # numba: imported where it is used
+
+        wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.to(
+            torch.float32 if flat.is_floating_point() else torch.float64)
+        out = np.empty((len(ts), len(FIELDS)), dtype=np.float64)
+        kernels.segment_stats(wide.numpy(), np.asarray(lengths, dtype=np.int64), out)
+        rows = torch.from_numpy(np.concatenate(
+            [out, np.full((len(ts), len(FP8_FIELDS)), np.nan)], axis=1))
+        return list(rows.unbind(0)), samples
     x = flat.to(acc)
     L = torch.tensor(lengths, device=dev)
     zero = torch.zeros((), dtype=acc, device=dev)
@@ -201,18 +240,6 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
     def seg(v: torch.Tensor, how: str) -> torch.Tensor:
         return torch.segment_reduce(v, how, lengths=L)
 
-    if dev.type == "cpu" and dtype not in _FP8 and bool(torch.isfinite(x).all()):
-        # The common case, on the host (where branching on data costs no device sync): all
-        # values finite, so no masking passes; the same numbers as the general path below.
-        n = L.to(acc)
-        mean = seg(x, "sum") / n
-        d = x - torch.repeat_interleave(mean, L, output_size=x.numel())
-        std = (seg(d * d, "sum") / n).sqrt()
-        mn, mx = seg(x, "min"), seg(x, "max")
-        nanv = torch.full_like(n, float("nan"))
-        cols = [mn, mx, mean, std, torch.maximum(mn.abs(), mx.abs()), seg(x * x, "sum").sqrt(),
-                torch.zeros_like(n), torch.zeros_like(n), n, nanv, nanv]
-        return list(torch.stack(cols, dim=1).unbind(0)), samples
     finite = torch.isfinite(x)
     count = seg(finite.to(acc), "sum")
     xz = torch.where(finite, x, zero)

@@ -280,11 +280,16 @@ class TraceWriter:
         if (self.dir / fmt.REPLAY).exists():
             manifest["replay"] = fmt.REPLAY
         manifest.update(extra or {})
-        # Strict JSON: statistics of a tensor without finite values (all NaN, zero-size) are null.
-        manifest = fmt.json_safe(json.loads(json.dumps(manifest, default=_json_default)))
-        fmt.validate_manifest(manifest)
+        # Strict JSON: statistics of a tensor without finite values (all NaN, zero-size) are
+        # null. What is validated is what is written: the text, parsed back.
         try:
-            _fsync_write(self.dir / fmt.MANIFEST, json.dumps(manifest, allow_nan=False, separators=(",", ":")).encode())
+            text = json.dumps(manifest, default=_json_default, allow_nan=False, separators=(",", ":"))
+        except ValueError:  # a NaN/Inf somewhere: becomes null
+            text = json.dumps(fmt.json_safe(manifest, default=_json_default), allow_nan=False,
+                              separators=(",", ":"))
+        fmt.validate_manifest(json.loads(text))
+        try:
+            _fsync_write(self.dir / fmt.MANIFEST, text.encode())
         except OSError as e:
             raise _write_error(self.dir, e) from e
         (self.dir / INCOMPLETE).unlink(missing_ok=True)
@@ -355,7 +360,9 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb", buffering=0) as f:
+    # Buffered: stats-mode shards hold thousands of 1-2 KiB samples (one syscall each would
+    # dominate); a tensor larger than the buffer still goes straight from its memory.
+    with open(path, "wb", buffering=1 << 20) as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for _, t in order:
             if t.numel():
@@ -363,6 +370,7 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
                 while mv.nbytes:  # raw writes may be partial
                     mv = mv[f.write(mv):]
         if fsync:
+            f.flush()
             os.fsync(f.fileno())
     return 8 + len(raw) + offset
 

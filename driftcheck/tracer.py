@@ -349,9 +349,7 @@ class Tracer:
                 if grad_inputs:
                     self._call_inputs[(name, call)] = grad_inputs
                     # Nodes created from here on belong to this call: mark the sequence number.
-                    with self._quiet():
-                        probe = torch.zeros((), requires_grad=True) * 1.0
-                    self._start_seq[(name, call)] = probe.grad_fn._sequence_nr()
+                    self._start_seq[(name, call)] = self._next_sequence_nr()
         return pre_hook
 
     def _make_post_hook(self, name: str) -> Callable:
@@ -468,6 +466,15 @@ class Tracer:
             if self._active and grad is not None:
                 self._capture(name, "backward", call, slot, grad, extra=ctx)
         return hook
+
+    def _next_sequence_nr(self) -> int:
+        """The sequence number the next autograd node created on this thread will get."""
+        peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
+        if peek is not None:
+            return peek()
+        with self._quiet():  # a torch without the peek: make a node and read its number
+            probe = torch.zeros((), requires_grad=True) * 1.0
+        return probe.grad_fn._sequence_nr() + 1
 
     # -- the capture itself ---------------------------------------------------------------------
     def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,

@@ -375,27 +375,100 @@ def test_chunk_size_independence(shape, data, dtypes, chunk):
         assert whole[k] == pytest.approx(want, rel=1e-12), k
 
 
+def _full_oracle(r: np.ndarray, t: np.ndarray, dtype: torch.dtype) -> dict:
+    """Every metric and the histogram, whole-array numpy in float64 (no chunks, no kernels)."""
+    rtol, atol = default_tolerances(dtype)
+    fr, ft = np.isfinite(r), np.isfinite(t)
+    both = fr & ft
+    a, b = r[both], t[both]
+    e = np.abs(b - a)
+    spacing = ulp(torch.from_numpy(np.abs(a)), dtype).numpy()
+    nz = e[e > 0]
+    hist = np.bincount(np.frexp(nz)[1] + 1022, minlength=2048) if nz.size else np.zeros(2048)
+    return {"count_finite": int(both.sum()), "max_abs": float(e.max()) if e.size else 0.0,
+            "max_abs_index": int(np.flatnonzero(both)[int(np.argmax(e))]) if e.size and e.max() > 0
+            else -1,
+            "max_ulp": float((e / spacing).max()) if e.size else 0.0,
+            "frac_outside": float((e > atol + rtol * np.abs(a)).mean()) if e.size else 0.0,
+            "mean_abs": float(e.mean()) if e.size else 0.0,
+            "ref_absmax": float(np.abs(r[fr]).max()) if fr.any() else 0.0,
+            "nan_ref": int(np.isnan(r).sum()), "inf_tgt": int(np.isinf(t).sum()),
+            "nonfinite_new": int((fr & ~ft).sum()),
+            "exact": int((e == 0).sum()), "binades": hist}
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**31), nonfinite=st.booleans(),
+       dtype=st.sampled_from([FP32, FP64, BF16]))
+def test_compiled_passes_match_a_numpy_oracle(n, seed, nonfinite, dtype):
+    # Blocks of 1024 inside the kernel, chunks of 700 outside: both boundaries are crossed;
+    # with NaN/Inf sprinkled in, chunks holding one take the general pass, the rest the fast one.
+    g = np.random.default_rng(seed)
+    r = g.standard_normal(n) * np.exp2(g.integers(-30, 30, n))
+    t = r * (1 + g.standard_normal(n) * 2.0**-9)
+    same = g.random(n) < 0.1
+    t[same] = r[same]  # exact matches
+    if nonfinite:
+        for arr in (r, t):
+            arr[g.integers(0, n, 3)] = g.choice([np.nan, np.inf, -np.inf], 3)
+    rt, tt = torch.from_numpy(r).to(dtype), torch.from_numpy(t).to(dtype)
+    acc = ErrorAccumulator(dtype, dtype)
+    for a, b in zip(rt.split(700), tt.split(700)):
+        acc.update(a, b)
+    got, h = acc.result(), acc.histogram(max_bins=4096)
+    want = _full_oracle(rt.double().numpy(), tt.double().numpy(), dtype)
+    for k in ("count_finite", "max_abs", "max_abs_index", "max_ulp", "nan_ref", "inf_tgt",
+              "nonfinite_new", "ref_absmax"):
+        assert got[k] == want[k], k
+    assert got["frac_outside"] == pytest.approx(want["frac_outside"], abs=1e-12)
+    assert got["mean_abs"] == pytest.approx(want["mean_abs"], rel=1e-12)
+    assert h.exact == want["exact"]
+    nonzero = [int(c) for c in want["binades"] if c]
+    assert [c for c in h.counts if c] == nonzero
+
+
 # ---------------------------------------------------------------- histogram
+L2 = math.log10(2.0)
+
+
 def test_error_histogram_table():
-    # errors: 0 (exact), 0.002 (log -2.70), 0.02 (-1.70), 0.5 (-0.30), and a NaN (ignored)
-    r = torch.zeros(5, dtype=FP64)
-    t = torch.tensor([0.0, 0.002, 0.02, 0.5, NAN], dtype=FP64)
-    h = error_histogram(r, t, [-4.0, -3.0, -2.0, -1.0, 0.0])
-    assert (h.counts, h.exact) == ([0, 1, 1, 1], 1)
-    h = error_histogram(r, t, 3)  # whole decades: floor(-2.70) .. ceil(-0.30)
-    assert (h.edges, h.counts, h.exact) == ([-3.0, -2.0, -1.0, 0.0], [1, 1, 1], 1)
-    h = error_histogram(r, t, [-2.0, -1.0])  # beyond the edges: into the end bins
-    assert h.counts == [3]
+    # errors 0 (exact), 2^-9 (binade [2^-9, 2^-8)), 0.003 (in [2^-9, 2^-8) too), 0.02
+    # ([2^-6, 2^-5)), 0.5 ([2^-1, 1)); a NaN and an Inf pair are not finite pairs: ignored.
+    r = torch.zeros(7, dtype=FP64)
+    t = torch.tensor([0.0, 2.0**-9, -0.003, 0.02, 0.5, NAN, INF], dtype=FP64)
+    h = error_histogram(r, t)
+    assert h.exact == 1
+    assert h.counts == [2, 0, 0, 1, 0, 0, 0, 0, 1]  # one bin per binade, 2^-9 .. 2^0
+    assert h.edges == pytest.approx([k * L2 for k in range(-9, 1)], rel=1e-15)
     for chunk in (1, 2, 3):
-        assert error_histogram(r, t, 3, chunk_elems=chunk) == error_histogram(r, t, 3)
+        assert error_histogram(r, t, chunk_elems=chunk) == h
+
+
+def test_error_histogram_groups_binades_when_they_are_many():
+    r = torch.zeros(3, dtype=FP64)
+    t = torch.tensor([2.0**-40, 2.0**-20, 0.75], dtype=FP64)  # binades 2^-40 .. 2^-1: 40 of them
+    h = error_histogram(r, t, max_bins=10)
+    assert len(h.counts) <= 10 and sum(h.counts) == 3
+    width = h.edges[1] - h.edges[0]
+    assert width == pytest.approx(4 * L2)  # 40 / 10 = 4 binades a bin
+    assert h.edges[0] == pytest.approx(-40 * L2) and h.edges[-1] >= 0.0 - 1e-12
+    assert h.counts[0] == 1 and h.counts[-1] == 1
 
 
 def test_error_histogram_edges_belong_to_the_bin_above():
-    # |e| = 1 (log 0) and 10 (log 1) sit exactly on edges: [edge, next) and the last bin closed.
-    r = torch.zeros(3, dtype=FP64)
-    t = torch.tensor([0.5, 1.0, 10.0], dtype=FP64)
-    assert error_histogram(r, t, [-1.0, 0.0, 1.0]).counts == [1, 2]
-    assert error_histogram(r, t, [-1.0, 0.0, 1.0, 2.0]).counts == [1, 1, 1]
+    # |e| = 0.5, 1 and 2 are powers of two: each opens its own binade [2^k, 2^(k+1)).
+    r = torch.zeros(4, dtype=FP64)
+    t = torch.tensor([0.5, 0.75, 1.0, 2.0], dtype=FP64)
+    h = error_histogram(r, t)
+    assert h.counts == [2, 1, 1]
+    assert h.edges == pytest.approx([-L2, 0.0, L2, 2 * L2], abs=1e-15)
+
+
+def test_error_histogram_counts_float64_subnormal_errors():
+    r = torch.zeros(2, dtype=FP64)
+    t = torch.tensor([5e-324, 0.0], dtype=FP64)  # the smallest subnormal: not exact
+    h = error_histogram(r, t)
+    assert (sum(h.counts), h.exact) == (1, 1)
 
 
 def test_error_histogram_without_error():
@@ -403,9 +476,17 @@ def test_error_histogram_without_error():
     assert (h.edges, h.counts, h.exact) == ([], [], 4)
 
 
-def test_error_histogram_rejects_bad_edges():
-    with pytest.raises(ValueError, match="increasing"):
-        error_histogram(torch.ones(2), torch.ones(2), [0.0, -1.0])
+def test_error_histogram_rejects_bad_bins():
+    with pytest.raises(ValueError, match="max_bins"):
+        error_histogram(torch.ones(2), torch.ones(2), 0)
+
+
+def test_error_histogram_of_a_nan_chunk_counts_only_finite_pairs():
+    # a chunk with a NaN takes the general path: its histogram must not count the NaN position
+    r = torch.tensor([1.0, 1.0, NAN, 1.0])
+    t = torch.tensor([1.5, 1.0, 1.0, 1.25])
+    h = error_histogram(r, t, chunk_elems=2)  # chunk 1 all finite, chunk 2 has the NaN
+    assert (h.counts, h.exact) == ([1, 1], 1)  # 0.25 in [2^-2, 2^-1), 0.5 in [2^-1, 1)
 
 
 # ---------------------------------------------------------------- summary statistics
@@ -445,3 +526,20 @@ def test_summary_stats_agrees_with_record_time_stats():
     theirs = stats_vector(x.to(FP64)).tolist()
     for name, v in zip(FIELDS, theirs):
         assert ours[name] == pytest.approx(v, rel=1e-12), name
+
+
+def test_kernels_work_without_a_writable_cache_location():
+    # A read-only install with no writable home: numba finds no cache locator (simulated by
+    # allowing only the IPython locator, which declines outside IPython); kernels still compile.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from driftcheck import kernels; from driftcheck.metrics import "
+            "tensor_error; print(tensor_error(torch.ones(3), torch.full((3,), 1.5))['max_abs'], "
+            "type(kernels.finite_pass._cache).__name__)")
+    env = dict(os.environ, NUMBA_CACHE_LOCATOR_CLASSES="_IPythonCacheLocator")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0.5", "NullCache"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,17 @@ def test_traced_equals_untraced_bitwise_in_every_mode(mode, background, tmp_path
         assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["output"], b["output"])
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_vectorized_sample_indices_are_the_per_tensor_ones():
+    # The batched path must pick exactly sample_indices' positions (both runs rely on them).
+    g = np.random.default_rng(0)
+    lengths = [int(x) for x in g.choice([0, 1, 5, 511, 512, 513, 700, 100_000], 40)]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    keys = [f"0/forward/m{i}/0/output" for i in range(40)]
+    chosen = sorted(g.choice(40, 25, replace=False).tolist())
+    got = stats._flat_sample_indices([keys[i] for i in chosen], [lengths[i] for i in chosen],
+                                     offsets[chosen], 3)
+    want = np.concatenate([stats.sample_indices(keys[i], lengths[i], 3) + offsets[i]
+                           for i in chosen])
+    assert np.array_equal(got, want)

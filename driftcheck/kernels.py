@@ -1,0 +1,272 @@
+"""The compiled inner loops of ``metrics.ErrorAccumulator`` (one pass over a chunk pair) and of
+``stats.summarize`` on the host (statistics of many captured tensors at once).
+
+Pure numerics, no I/O. Each kernel reads a chunk pair of float32 or float64 numpy arrays (the
+caller widens other dtypes exactly), computes every per-chunk partial in float64 registers in a
+single pass, and releases the GIL, so compare's worker threads run truly in parallel. Compiled by
+numba on first use and cached on disk beside this file (or in numba's user cache directory).
+
+``finite_pass`` is the common case and assumes every value is finite: its sums of squares come
+out non-finite when one is not, and the caller then runs ``general_pass``, which accounts for
+NaN/Inf position by position. Both fill ``hist`` (``HIST_BINS`` int64 counters) with the binary
+exponent of each finite pair's |t - r| as a float64: bin k counts errors in [2^(k-1023),
+2^(k-1022)); bin 0 holds zero and float64-subnormal errors.
+
+Sums are float64 and may be reassociated (vectorized partial sums), never fused or approximated:
+no fast-math flag that changes what a single operation returns is set, and NaN/Inf propagate.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+HIST_BINS = 2048  # float64 biased exponents
+_EXPONENT_BITS = np.int64(0x7FF0000000000000)
+_BLOCK = 1024  # elements per inner block (two float64 buffers stay in L1)
+_FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of each op unchanged
+
+
+
+def _jit(**options):
+    """``numba.njit(nogil=True, cache=True)``; without a writable cache location (a read-only
+    install and no writable home), compile on first use in each process instead."""
+    def decorate(fn):
+        try:
+            return numba.njit(nogil=True, cache=True, **options)(fn)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return numba.njit(nogil=True, **options)(fn)
+    return decorate
+
+
+# Partials returned by both passes, in this order.
+FIELDS = ("n_pair", "n_ref", "n_tgt", "abs", "sq", "rr", "tt", "rt", "ref_sq", "tgt_sq",
+          "max_abs", "max_ulp", "outside", "ref_absmax", "exact",
+          "nan_ref", "nan_tgt", "inf_ref", "inf_tgt", "nonfinite_new", "nonfinite_mismatch",
+          "max_index")
+
+
+@_jit(fastmath=_FLAGS)
+def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compiled)
+    """Partials (``FIELDS``) of a chunk pair assumed all finite; ``max_index`` is -1 (the
+    caller finds it with ``first_index`` only when the chunk's maximum is a new one).
+
+    ``unit``: ULPs are counted in spacings ``unit * 2^floor(log2 max(|r|, tiny))`` when
+    ``unit`` > 0 (floating dtypes: unit = eps); in plain |t - r| when ``unit`` == 0 (integers).
+
+    Written for the vectorizer: each block is sliced so the inner loops index from 0, and the
+    maxima are taken over the int64 bit patterns of non-negative float64 values (ordered like
+    the values), since a floating-point max reduction keeps LLVM from vectorizing a loop.
+    """
+    n = r.shape[0]
+    ae_buf = np.empty(_BLOCK, np.float64)
+    ar_buf = np.empty(_BLOCK, np.float64)
+    ae_bits = ae_buf.view(np.int64)
+    ar_bits = ar_buf.view(np.int64)
+    tiny_bits = np.array([tiny], np.float64).view(np.int64)[0]
+    s_abs = 0.0
+    s_sq = 0.0
+    s_rr = 0.0
+    s_tt = 0.0
+    s_rt = 0.0
+    outside = 0
+    exact = 0
+    mx = np.int64(0)
+    amax = np.int64(0)
+    mu = np.int64(0)
+    for start in range(0, n, _BLOCK):
+        rb = r[start:start + _BLOCK]
+        tb = t[start:start + _BLOCK]
+        m = rb.shape[0]
+        for j in range(m):
+            a = np.float64(rb[j])
+            b = np.float64(tb[j])
+            e = b - a
+            ae = abs(e)
+            ar = abs(a)
+            s_abs += ae
+            s_sq += e * e
+            s_rr += a * a
+            s_tt += b * b
+            s_rt += a * b
+            outside += ae > atol + rtol * ar
+            exact += ae == 0.0
+            ae_buf[j] = ae
+            ar_buf[j] = ar
+        for j in range(m):
+            x = ae_bits[j]
+            mx = x if x > mx else mx
+            y = ar_bits[j]
+            amax = y if y > amax else amax
+            # 2^floor(log2 max(|r|, tiny)) of a normal float64: its exponent bits alone
+            ar_bits[j] = (y if y > tiny_bits else tiny_bits) & _EXPONENT_BITS
+        if unit > 0.0:
+            for j in range(m):
+                ar_buf[j] = ae_buf[j] / ar_buf[j]  # exact: a division by a power of two
+            for j in range(m):
+                q = ar_bits[j]
+                mu = q if q > mu else mu
+        for j in range(m):
+            hist[ae_bits[j] >> 52] += 1
+    bits = np.array([mx, amax, mu], np.int64).view(np.float64)
+    max_abs = bits[0]
+    max_ulp = bits[2] / unit if unit > 0.0 else max_abs
+    return (n, n, n, s_abs, s_sq, s_rr, s_tt, s_rt, s_rr, s_tt, max_abs, max_ulp, outside,
+            bits[1], exact, 0, 0, 0, 0, 0, 0, -1)
+
+
+@_jit()
+def first_index(r, t, value):  # pragma: no cover (compiled)
+    """First flat index where |t - r| (in float64) equals ``value``; -1 if none does."""
+    for i in range(r.shape[0]):
+        if abs(np.float64(t[i]) - np.float64(r[i])) == value:
+            return i
+    return -1
+
+
+@_jit()
+def _spacing(x, tiny, unit):  # pragma: no cover (compiled)
+    if unit == 0.0:
+        return 1.0
+    _, ex = math.frexp(max(x, tiny))  # x = f * 2^ex, f in [0.5, 1)
+    return unit * math.ldexp(1.0, ex - 1)
+
+
+@_jit()
+def general_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compiled)
+    """Partials (``FIELDS``) of any chunk pair, NaN and Inf included: error metrics over the
+    positions where both sides are finite, each side's own statistics over its finite values,
+    and the non-finite counts. ``max_index`` is the first position of this chunk's maximum
+    error among finite pairs (-1 when every finite pair matches exactly)."""
+    n_pair = 0
+    n_ref = 0
+    n_tgt = 0
+    s_abs = 0.0
+    s_sq = 0.0
+    s_rr = 0.0
+    s_tt = 0.0
+    s_rt = 0.0
+    ref_sq = 0.0
+    tgt_sq = 0.0
+    mx = 0.0
+    mi = -1
+    mu = 0.0
+    amax = 0.0
+    outside = 0
+    exact = 0
+    nan_r = 0
+    nan_t = 0
+    inf_r = 0
+    inf_t = 0
+    new = 0
+    mismatch = 0
+    bits = np.empty(1, np.float64)
+    for i in range(r.shape[0]):
+        a = np.float64(r[i])
+        b = np.float64(t[i])
+        fa = math.isfinite(a)
+        fb = math.isfinite(b)
+        na = math.isnan(a)
+        nb = math.isnan(b)
+        nan_r += na
+        nan_t += nb
+        inf_r += not (fa or na)
+        inf_t += not (fb or nb)
+        new += fa and not fb
+        if fa != fb or (not fa and not fb and not (a == b or (na and nb))):
+            mismatch += 1
+        if fa:
+            n_ref += 1
+            ref_sq += a * a
+            amax = max(amax, abs(a))
+        if fb:
+            n_tgt += 1
+            tgt_sq += b * b
+        if fa and fb:
+            e = b - a
+            ae = abs(e)
+            ar = abs(a)
+            n_pair += 1
+            s_abs += ae
+            s_sq += e * e
+            s_rr += a * a
+            s_tt += b * b
+            s_rt += a * b
+            if ae > mx:  # strict: the first position holding the maximum keeps it
+                mx = ae
+                mi = i
+            mu = max(mu, ae / _spacing(ar, tiny, unit))
+            outside += ae > atol + rtol * ar
+            exact += ae == 0.0
+            bits[0] = ae
+            hist[bits.view(np.int64)[0] >> 52] += 1
+    return (n_pair, n_ref, n_tgt, s_abs, s_sq, s_rr, s_tt, s_rt, ref_sq, tgt_sq, mx, mu, outside,
+            amax, exact, nan_r, nan_t, inf_r, inf_t, new, mismatch, mi)
+
+
+@_jit()
+def segment_stats(x, lengths, out):  # pragma: no cover (compiled)
+    """Summary statistics of consecutive segments of ``x`` (float32 or float64), one row of
+    ``out`` (float64, ``(len(lengths), 9)``) per segment, columns as ``stats.FIELDS``: min, max,
+    mean, std (population), absmax, l2 over the finite values (NaN for min..std without any,
+    absmax 0), then the NaN count, the Inf count and the length. Two passes per segment (the
+    mean, then the squared deviations from it): no cancellation for |mean| >> std."""
+    start = 0
+    for k in range(lengths.shape[0]):
+        n = lengths[k]
+        seg = x[start:start + n]
+        start += n
+        count = 0
+        nan = 0
+        inf = 0
+        s = 0.0
+        sq = 0.0
+        lo = math.inf
+        hi = -math.inf
+        for j in range(n):
+            v = np.float64(seg[j])
+            if math.isfinite(v):
+                count += 1
+                s += v
+                sq += v * v
+                lo = min(lo, v)
+                hi = max(hi, v)
+            elif math.isnan(v):
+                nan += 1
+            else:
+                inf += 1
+        row = out[k]
+        row[6] = nan
+        row[7] = inf
+        row[8] = n
+        row[5] = math.sqrt(sq)
+        if count == 0:
+            row[0] = row[1] = row[2] = row[3] = math.nan
+            row[4] = 0.0
+            continue
+        mean = s / count
+        dev = 0.0
+        for j in range(n):
+            v = np.float64(seg[j])
+            if math.isfinite(v):
+                dev += (v - mean) * (v - mean)
+        row[0] = lo
+        row[1] = hi
+        row[2] = mean
+        row[3] = math.sqrt(dev / count)
+        row[4] = max(abs(lo), abs(hi))
+
+
+@_jit()
+def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (compiled)
+    """Stats-mode sample positions of many tensors (``stats.sample_indices``'s formula, the same
+    numbers): row i of ``out`` is min(floor(((base + shifts[i]) mod 1) * lengths[i]),
+    lengths[i] - 1) + offsets[i]. base + shift lies in [0, 2): subtracting 1 is exact."""
+    for i in range(shifts.shape[0]):
+        n = lengths[i]
+        for j in range(base.shape[0]):
+            x = base[j] + shifts[i]
+            if x >= 1.0:
+                x -= 1.0
+            out[i, j] = min(np.int64(x * n), n - 1) + offsets[i]
