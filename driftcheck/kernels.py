@@ -270,3 +270,41 @@ def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (
             if x >= 1.0:
                 x -= 1.0
             out[i, j] = min(np.int64(x * n), n - 1) + offsets[i]
+
+
+_MAGNITUDE_BITS = np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+@_jit(fastmath=_FLAGS)
+def dense_stats(x):  # pragma: no cover (compiled)
+    """(sum, sum of squares, min, max) of a float32/float64 array in float64, one pass.
+
+    Meant for arrays the caller then checks: a NaN or Inf anywhere makes the sum or the sum of
+    squares non-finite. min/max are taken over order-preserving int64 keys of the float64 bit
+    patterns (negative values with their magnitude bits flipped), which vectorize where a
+    floating-point min/max reduction does not."""
+    n = x.shape[0]
+    buf = np.empty(_BLOCK, np.float64)
+    bits = buf.view(np.int64)
+    s = 0.0
+    sq = 0.0
+    lo = np.int64(0x7FFFFFFFFFFFFFFF)
+    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    for start in range(0, n, _BLOCK):
+        xb = x[start:start + _BLOCK]
+        m = xb.shape[0]
+        for j in range(m):
+            v = np.float64(xb[j])
+            s += v
+            sq += v * v
+            buf[j] = v
+        for j in range(m):
+            k = bits[j]
+            k = k ^ ((k >> 63) & _MAGNITUDE_BITS)
+            lo = k if k < lo else lo
+            hi = k if k > hi else hi
+    ends = np.array([lo, hi], np.int64)
+    for i in range(2):
+        ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAGNITUDE_BITS)
+    f = ends.view(np.float64)
+    return s, sq, f[0], f[1]

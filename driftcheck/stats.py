@@ -179,28 +179,28 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
 
 
 def _large_stats(t: torch.Tensor) -> torch.Tensor:
-    """One large host tensor in three passes over its own dtype, no float64 copy. Any NaN/Inf
-    shows in the sum, norm, min or max, and then the masking float64 path decides."""
+    """One large host tensor in one compiled pass over its own dtype (float64 accumulation, no
+    float64 copy). Any NaN/Inf shows in the sum or sum of squares, and then the masking float64
+    path decides."""
+    from driftcheck import kernels  # numba: imported where it is used
+
     x = t.detach().reshape(-1)
     if x.dtype not in (torch.float32, torch.float64):
-        x = x.float()  # torch.std of a half tensor returns a half: keep the summary exact
-    # Cascade (pairwise) sums in the tensor's dtype: relative error ~1e-7 in float32, plenty
-    # for a summary, at a third of the cost of a float64 accumulation.
-    s = float(x.sum())
-    l2 = float(torch.linalg.vector_norm(x))
-    mn, mx = (float(v) for v in torch.aminmax(x))
-    if not all(math.isfinite(v) for v in (s, l2, mn, mx)):
-        return stats_vector(t)  # NaN/Inf (or a float32 overflow): the exact float64 path
+        x = x.float()  # exact for every narrower float
+    s, sq, mn, mx = kernels.dense_stats(x.numpy())
+    if not all(math.isfinite(v) for v in (s, sq, mn, mx)):
+        return stats_vector(t)  # NaN/Inf (or a float64 overflow): the exact masking path
+    l2 = math.sqrt(sq)
     n = x.numel()
     mean = s / n
-    var = l2 * l2 / n - mean * mean
+    var = sq / n - mean * mean
     if var > 1e-3 * mean * mean:
         std = math.sqrt(var)  # no cancellation to fear
     else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
         std = float(torch.std(x, correction=0))
     nan = float("nan")
     # One host tensor from Python floats (the values are on the host already): building the row
-    # from 0-d tensors costs more than the three passes over a mid-sized tensor.
+    # from 0-d tensors costs more than the pass over a mid-sized tensor.
     return torch.tensor([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan],
                         dtype=torch.float64)
 

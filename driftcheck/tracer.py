@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -255,6 +256,7 @@ class Tracer:
         self._bn_before: dict[tuple[str, int], Any] = {}
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
+        self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Capture the step's loss (phase ``loss``)."""
@@ -467,6 +469,31 @@ class Tracer:
                 self._capture(name, "backward", call, slot, grad, extra=ctx)
         return hook
 
+    @staticmethod
+    def _identity(t: torch.Tensor) -> tuple | None:
+        """What makes a tensor the same data as when last seen: the object itself (held weakly,
+        so a freed tensor's id or memory can never match), its version counter (bumped by every
+        in-place write) and its view geometry."""
+        try:
+            return (t._version, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+
+    def _known_summary(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The stats row of ``t`` if this step already summarised this very tensor, unchanged
+        (a module's output is the next module's input, a parent's output its last child's)."""
+        known = self._summaries.get(id(t))
+        if known is None:
+            return None
+        ref, ident, row = known
+        return row if ref() is t and ident is not None and ident == self._identity(t) else None
+
+    def _remember_summary(self, t: torch.Tensor, row: torch.Tensor) -> None:
+        try:
+            self._summaries[id(t)] = (weakref.ref(t), self._identity(t), row)
+        except TypeError:  # not weak-referenceable: never reused
+            pass
+
     def _next_sequence_nr(self) -> int:
         """The sequence number the next autograd node created on this thread will get."""
         peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
@@ -502,8 +529,15 @@ class Tracer:
             if data.numel() >= tstats.BIG and not (self._full(module) or phase == "loss"):
                 # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
                 # than copy it for later; the copy would cost more than the summary.
-                rows, samples = tstats.summarize([data], [skey], self.seed)
-                summary, data = (rows[0], samples[0]), samples[0]
+                row = self._known_summary(t)
+                if row is None:
+                    rows, samples = tstats.summarize([data], [skey], self.seed)
+                    row, sample = rows[0], samples[0]
+                    self._remember_summary(t, row)
+                else:  # the same tensor, unchanged, seen earlier this step: only the sample
+                    idx = tstats.sample_indices(skey, data.numel(), self.seed)
+                    sample = data.reshape(-1)[torch.from_numpy(idx).to(data.device)]
+                summary, data = (row, sample), sample
             elif copy:
                 data = data.clone()  # copy at hook time: later in-place ops must not leak in
         self._pending.append(_Pending(entry, data, dev_meta, summary))

@@ -218,3 +218,33 @@ def test_vectorized_sample_indices_are_the_per_tensor_ones():
     want = np.concatenate([stats.sample_indices(keys[i], lengths[i], 3) + offsets[i]
                            for i in chosen])
     assert np.array_equal(got, want)
+
+
+class _Make(torch.nn.Module):
+    def forward(self, x):
+        return x.repeat(1, stats.BIG // x.shape[1] + 1)  # a large tensor (summarised at capture)
+
+
+class _DoubleInPlace(torch.nn.Module):
+    def forward(self, y):
+        return y.mul_(2.0)  # the same tensor object comes back, changed
+
+
+def test_a_tensor_changed_in_place_is_summarised_again(tmp_path):
+    # Stats mode reuses the summary of a tensor seen earlier in the step (a module's output is
+    # the next one's input) only while it is unchanged: here "double"'s output is its input
+    # object, written in place, and must not inherit the input's statistics.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Make(), _DoubleInPlace())
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w, mode="stats").attach()
+        with torch.no_grad():
+            model(torch.randn(3, 4) + 5.0)
+        tracer.step()
+        tracer.detach()
+        w.close({"steps": 1})
+    st = {(e["module"], e["slot"]): e["stats"] for e in TraceReader(tmp_path / "t").entries}
+    made, before, after = st[("1", "output")], st[("2", "input.0")], st[("2", "output")]
+    assert made["numel"] >= stats.BIG
+    assert before["mean"] == made["mean"]  # the same tensor, unchanged: the same summary
+    assert after["mean"] == pytest.approx(2 * before["mean"], rel=1e-6)
+    assert after["absmax"] == pytest.approx(2 * before["absmax"], rel=1e-6)
