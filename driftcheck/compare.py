@@ -29,6 +29,7 @@ MATMUL_KINDS = ("linear", "conv", "composite")
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
+PART_ELEMS = 1 << 22  # elements above which one pair is measured in parts, on several workers
 HISTOGRAM_BINS = 40  # at most, each a whole number of binades of |target - reference|
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
 
@@ -282,22 +283,34 @@ class Comparison:
         tensors, else the stats-mode samples (the same seeded indices on both runs), else
         estimated from the summary statistics; with the error histogram of the elements read
         (None when estimated from statistics), in the same pass."""
-        rc = ref.chunks(r, self.chunk_elems)
-        tc = tgt.chunks(t, self.chunk_elems)
+        acc, how = self._accumulate(ref, r, tgt, t)
+        return self._finish(acc, how, r, t)
+
+    def _accumulate(self, ref: TraceReader, r: dict, tgt: TraceReader, t: dict,
+                    part: tuple[int, int] | None = None) -> tuple[mx.ErrorAccumulator | None, str]:
+        """Stream the pair (or only its flat elements [lo, hi) when ``part`` is given: full
+        tensors only) into an accumulator. (None, "stats") when neither side stored data."""
+        rc = ref.chunks(r, self.chunk_elems, part=part)
+        tc = tgt.chunks(t, self.chunk_elems, part=part)
         how = "full"
         if rc is None or tc is None:
             rs, ts = ref.tensor(r, "sample"), tgt.tensor(t, "sample")
             if rs is None or ts is None or rs.shape != ts.shape:
-                return _Measured(_stats_metrics(r["stats"], t["stats"]), "stats", None)
+                return None, "stats"
             rc, tc, how = iter([rs.reshape(-1)]), iter([ts.reshape(-1)]), "sample"
         acc = mx.ErrorAccumulator(r["dtype"], t["dtype"])
         sat = _saturation(r, t)
-        for a, b in zip(rc, tc):  # float64 one chunk at a time: memory bounded by the chunk
+        for a, b in zip(rc, tc):  # one chunk at a time: memory bounded by the chunk
             if sat is not None:
                 # Sentinels like finfo(dtype).min in attention masks differ by dtype by design:
                 # beyond the coarser dtype's range both sides mean "saturated", not error.
                 a, b = a.double().clamp(-sat, sat), b.double().clamp(-sat, sat)
             acc.update(a, b)
+        return acc, how
+
+    def _finish(self, acc: mx.ErrorAccumulator | None, how: str, r: dict, t: dict) -> _Measured:
+        if acc is None:
+            return _Measured(_stats_metrics(r["stats"], t["stats"]), "stats", None)
         m = acc.result()
         if how == "full":
             m["ref_rms"] = m.get("ref_rms", _rms_of(r["stats"]))
@@ -307,19 +320,44 @@ class Comparison:
             m["estimated_from"] = "sample"
         return _Measured(m, how, acc.histogram(HISTOGRAM_BINS))
 
+    def _parts(self, r: dict, t: dict) -> list[tuple[int, int]] | None:
+        """Flat element ranges of a large pair of full tensors, measured on several workers;
+        each a whole number of chunks, so the chunks are those of one stream."""
+        n = math.prod(r["shape"])
+        if ("tensor" not in r or "tensor" not in t or n <= PART_ELEMS or r["dtype"] != t["dtype"]
+                or "complex" in str(r["dtype"])):
+            return None
+        step = max(1, PART_ELEMS // self.chunk_elems) * self.chunk_elems
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
     def _measure_all(self, pairs: list[tuple[dict, dict]]) -> None:
-        """Metrics of every pair, on ``workers`` threads (torch releases the GIL in its kernels);
-        floors and ratios, which depend on earlier entries, are then judged in order."""
+        """Metrics of every pair on ``workers`` threads (the kernels release the GIL), a large
+        pair split into parts measured side by side and merged in order; floors and ratios,
+        which depend on earlier entries, are then judged in order."""
         self._measured = {}
         todo = [(r, t) for r, t in pairs if list(r["shape"]) == list(t["shape"])
                 and _dtype_kind(r["dtype"]) == _dtype_kind(t["dtype"])]
-        if self.workers <= 1 or len(todo) < 2:
+        jobs: list[tuple[int, tuple[int, int] | None]] = []
+        for i, (r, t) in enumerate(todo):
+            jobs += [(i, p) for p in (self._parts(r, t) or [None])]
+        if self.workers <= 1 or len(jobs) < 2:
             return  # measured lazily, one at a time, by _pair_metrics
         from concurrent.futures import ThreadPoolExecutor
 
+        def run(job: tuple[int, tuple[int, int] | None]) -> tuple[mx.ErrorAccumulator | None, str]:
+            r, t = todo[job[0]]
+            return self._accumulate(self.ref, r, self.tgt, t, part=job[1])
+
+        merged: dict[int, tuple[mx.ErrorAccumulator | None, str]] = {}
         with ThreadPoolExecutor(self.workers, thread_name_prefix="driftcheck-compare") as pool:
-            for (r, _), res in zip(todo, pool.map(lambda rt: self._measure(*rt), todo)):
-                self._measured[_align(r)] = res
+            for (i, _), (acc, how) in zip(jobs, pool.map(run, jobs)):  # in order: parts left to right
+                if i in merged and acc is not None and merged[i][0] is not None:
+                    merged[i][0].merge(acc)
+                else:
+                    merged[i] = (acc, how)
+        for i, (acc, how) in merged.items():
+            r, t = todo[i]
+            self._measured[_align(r)] = self._finish(acc, how, r, t)
 
     def _judge_integer(self, r: dict, m: dict[str, Any], base: dict[str, Any],
                        details: dict[str, Any], ignore: str | None) -> Entry:

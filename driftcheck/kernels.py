@@ -25,6 +25,7 @@ import numpy as np
 HIST_BINS = 2048  # float64 biased exponents
 _EXPONENT_BITS = np.int64(0x7FF0000000000000)
 _BLOCK = 1024  # elements per inner block (two float64 buffers stay in L1)
+_RECIPROCAL_BITS = np.int64(2046 << 52)  # bits(2^-k) = bits(2046 << 52) - bits(2^k)
 _FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of each op unchanged
 
 
@@ -99,11 +100,14 @@ def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compil
             mx = x if x > mx else mx
             y = ar_bits[j]
             amax = y if y > amax else amax
-            # 2^floor(log2 max(|r|, tiny)) of a normal float64: its exponent bits alone
-            ar_bits[j] = (y if y > tiny_bits else tiny_bits) & _EXPONENT_BITS
+            # 2^floor(log2 max(|r|, tiny)) of a normal float64 is its exponent bits alone, and
+            # its reciprocal has exponent bits 2046 - those, so the multiplication below is
+            # exact like a division, at a fraction of its cost. The result is only used when
+            # the sums of squares are finite, i.e. every |r| < 2^512: the reciprocal is normal.
+            ar_bits[j] = _RECIPROCAL_BITS - ((y if y > tiny_bits else tiny_bits) & _EXPONENT_BITS)
         if unit > 0.0:
             for j in range(m):
-                ar_buf[j] = ae_buf[j] / ar_buf[j]  # exact: a division by a power of two
+                ar_buf[j] = ae_buf[j] * ar_buf[j]
             for j in range(m):
                 q = ar_bits[j]
                 mu = q if q > mu else mu

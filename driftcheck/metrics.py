@@ -292,6 +292,25 @@ class ErrorAccumulator:
         self._max_ulp = max(self._max_ulp, p["max_ulp"])
         self._ref_absmax = max(self._ref_absmax, p["ref_absmax"])
 
+    def merge(self, other: "ErrorAccumulator") -> None:
+        """Append ``other``: it accumulated the elements that follow this one's (a tensor
+        measured in parts on several threads, merged left to right)."""
+        if (other.coarse, other.rtol, other.atol) != (self.coarse, self.rtol, self.atol):
+            raise ValueError("cannot merge accumulators of different precisions or tolerances")
+        offset = self._n
+        self._n += other._n
+        for f, s in self._sums.items():
+            s.add(other._sums[f].total)
+            s.add(other._sums[f].comp)
+        for f in self._counts:
+            self._counts[f] += other._counts[f]
+        if other._max_abs > self._max_abs:  # strict: the earlier part keeps a tied maximum
+            self._max_abs = other._max_abs
+            self._max_index = offset + other._max_index
+        self._max_ulp = max(self._max_ulp, other._max_ulp)
+        self._ref_absmax = max(self._ref_absmax, other._ref_absmax)
+        self._hist += other._hist
+
     def result(self) -> dict[str, float | int]:
         """The metrics so far (keys in the module docstring)."""
         c = self._counts

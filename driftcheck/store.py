@@ -514,8 +514,10 @@ class TraceReader:
             raise TraceError(f"shard {ref['shard']}: tensor {ref['name']!r} cannot be read ({e})") from None
 
     def chunks(self, entry: dict[str, Any], chunk_elems: int = 1 << 20,
-               which: str = "tensor") -> Iterator[torch.Tensor] | None:
-        """The stored tensor of an entry as flat row-major chunks of at most ``chunk_elems``.
+               which: str = "tensor", part: tuple[int, int] | None = None
+               ) -> Iterator[torch.Tensor] | None:
+        """The stored tensor of an entry as flat row-major chunks of at most ``chunk_elems``
+        (only its flat elements [lo, hi) with ``part``; complex counts real and imaginary parts).
 
         Chunks are zero-copy views of the memory-mapped shard; the pages of each chunk are
         released from this process once the next one is requested, so memory stays bounded by
@@ -533,6 +535,12 @@ class TraceReader:
             raise TraceError(f"entry {entry['key']}: manifest shape/dtype {entry['shape']} "
                              f"{entry['dtype']} disagree with shard {ref['shard']} ({shape} {dtype}); "
                              "the trace is corrupt")
+        if part is not None:
+            item = dtype.itemsize
+            lo, hi = part
+            if not 0 <= lo <= hi <= (end - begin) // item:
+                raise ValueError(f"part {part} outside the {(end - begin) // item} elements of {entry['key']}")
+            begin, end = begin + lo * item, begin + hi * item
         return shard.iter_chunks(dtype, begin, end, max(1, chunk_elems))
 
     def _mapped(self, shard: str) -> "_MappedShard":

@@ -149,3 +149,29 @@ def test_nan_downstream_is_not_blamed_as_drift(tmp_path):
     assert (fd["status"], fd["phase"], fd["step"]) == ("nonfinite", "optimizer", 0)
     assert [f.key for f in rep.findings if f.kind == "nonfinite.origin"] == [fd["key"]]
     assert not [e.key for e in rep.entries if e.status == "drift"]
+
+
+def test_large_tensors_measured_in_parts_on_two_workers_match_one_stream(traces, tmp_path,
+                                                                          monkeypatch):
+    # A pair above PART_ELEMS is split into parts measured on several threads and merged in
+    # order; here every tensor above 1000 elements is, in chunks of 256 (parts of 768).
+    import driftcheck.compare as cmp
+    from driftcheck.store import TraceReader
+
+    mod, _ = fault_report(traces, "llama", tmp_path, lambda m: scale_output(m, 1.05))
+    ref, tgt = TraceReader(traces["llama"]["fp32"]), TraceReader(tmp_path / "t")
+    one = cmp.Comparison(ref, tgt, chunk_elems=256, workers=1).run()
+    monkeypatch.setattr(cmp, "PART_ELEMS", 1000)
+    split = cmp.Comparison(ref, tgt, chunk_elems=256, workers=2)
+    jobs = [split._parts(e, e) for e in ref.entries]
+    assert sum(1 for p in jobs if p and len(p) > 1) >= 5  # several pairs really are split
+    two = split.run()
+    assert (two.verdict, two.first_divergence["key"]) == (one.verdict, one.first_divergence["key"])
+    for a, b in zip(one.entries, two.entries):
+        assert a.key == b.key and a.status == b.status
+        for k, v in a.metrics.items():
+            if isinstance(v, int) or k in ("max_abs", "max_ulp", "ref_absmax"):
+                assert b.metrics[k] == v, (a.key, k)
+            elif isinstance(v, float):
+                assert b.metrics[k] == pytest.approx(v, rel=1e-9, abs=1e-300), (a.key, k)
+        assert a.details.get("histogram") == b.details.get("histogram")

@@ -543,3 +543,50 @@ def test_kernels_work_without_a_writable_cache_location():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0.5", "NullCache"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), cuts=st.lists(st.integers(0, 2000), max_size=4),
+       dtype=st.sampled_from([FP32, BF16, FP64]))
+def test_merged_parts_equal_one_stream(seed, cuts, dtype):
+    # Compare measures a large tensor in parts on several threads and merges them in order.
+    g = np.random.default_rng(seed)
+    r = torch.from_numpy(g.standard_normal(2000)).to(dtype)
+    t = (r.double() * (1 + torch.from_numpy(g.standard_normal(2000)) * 1e-3)).to(dtype)
+    same = g.integers(0, 2000, 5)
+    t[same] = r[same]  # exact pairs
+    t[int(g.integers(200, 1400))] = NAN
+    r[100] = r[1500] = 0.5
+    t[100] = t[1500] = 10.5  # a tied maximum error: the first must win
+    whole = ErrorAccumulator(dtype, dtype)
+    for a, b in zip(r.split(300), t.split(300)):
+        whole.update(a, b)
+    bounds = [0, *sorted(cuts), 2000]
+    merged = ErrorAccumulator(dtype, dtype)
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = ErrorAccumulator(dtype, dtype)
+        for a, b in zip(r[lo:hi].split(300), t[lo:hi].split(300)):
+            part.update(a, b)
+        merged.merge(part)
+    want, got = whole.result(), merged.result()
+    for k, v in want.items():
+        if isinstance(v, int) or k in ("max_abs", "max_ulp", "ref_absmax", "frac_outside"):
+            assert got[k] == v, k
+        else:
+            assert got[k] == pytest.approx(v, rel=1e-12, nan_ok=True), k
+    assert got["max_abs_index"] == 100
+    assert merged.histogram() == whole.histogram()
+
+
+def test_merge_refuses_other_precisions():
+    with pytest.raises(ValueError, match="precisions"):
+        ErrorAccumulator(FP32, FP32).merge(ErrorAccumulator(FP32, BF16))
+
+
+def test_max_ulp_near_the_top_of_float64():
+    # |r| >= 2^1023: the fast pass's reciprocal trick has no normal 2^-1023 and must divide.
+    r = torch.tensor([1.5 * 2.0**1023, 1.0, -1.25 * 2.0**1023], dtype=FP64)
+    step = 2.0 ** (1023 - 52)  # fp64 spacing at 2^1023
+    t = r + torch.tensor([3 * step, 2.0**-52, -5 * step], dtype=FP64)
+    assert tensor_error(r, t)["max_ulp"] == 5.0
+    assert tensor_error(r[:2], t[:2])["max_ulp"] == 3.0
