@@ -348,16 +348,24 @@ class Comparison:
             r, t = todo[job[0]]
             return self._accumulate(self.ref, r, self.tgt, t, part=job[1])
 
-        merged: dict[int, tuple[mx.ErrorAccumulator | None, str]] = {}
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="driftcheck-compare") as pool:
-            for (i, _), (acc, how) in zip(jobs, pool.map(run, jobs)):  # in order: parts left to right
-                if i in merged and acc is not None and merged[i][0] is not None:
-                    merged[i][0].merge(acc)
-                else:
-                    merged[i] = (acc, how)
-        for i, (acc, how) in merged.items():
+        def finish(i: int, acc: mx.ErrorAccumulator | None, how: str) -> None:
             r, t = todo[i]
             self._measured[_align(r)] = self._finish(acc, how, r, t)
+
+        current: tuple[int, mx.ErrorAccumulator | None, str] | None = None
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="driftcheck-compare") as pool:
+            # Results come in job order: a pair's parts left to right, then the next pair, so
+            # each pair is merged and finished (its accumulator dropped) as soon as it is whole.
+            for (i, _), (acc, how) in zip(jobs, pool.map(run, jobs)):
+                if current is not None and current[0] == i:
+                    if current[1] is not None and acc is not None:
+                        current[1].merge(acc)
+                    continue
+                if current is not None:
+                    finish(*current)
+                current = (i, acc, how)
+        if current is not None:
+            finish(*current)
 
     def _judge_integer(self, r: dict, m: dict[str, Any], base: dict[str, Any],
                        details: dict[str, Any], ignore: str | None) -> Entry:

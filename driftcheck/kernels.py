@@ -12,6 +12,9 @@ NaN/Inf position by position. Both fill ``hist`` (``HIST_BINS`` int64 counters) 
 exponent of each finite pair's |t - r| as a float64: bin k counts errors in [2^(k-1023),
 2^(k-1022)); bin 0 holds zero and float64-subnormal errors.
 
+For stats mode on the host: ``segment_stats`` (statistics of many small captures laid end to
+end), ``dense_stats`` (one large capture) and ``sample_positions`` (the seeded sample indices).
+
 Sums are float64 and may be reassociated (vectorized partial sums), never fused or approximated:
 no fast-math flag that changes what a single operation returns is set, and NaN/Inf propagate.
 """
@@ -27,7 +30,6 @@ _EXPONENT_BITS = np.int64(0x7FF0000000000000)
 _BLOCK = 1024  # elements per inner block (two float64 buffers stay in L1)
 _RECIPROCAL_BITS = np.int64(2046 << 52)  # bits(2^-k) = bits(2046 << 52) - bits(2^k)
 _FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of each op unchanged
-
 
 
 def _jit(**options):

@@ -608,23 +608,30 @@ class _MappedShard:
         if total == 0:
             return
         page = mmap.PAGESIZE
-        for start in range(0, total, chunk_elems):
-            n = min(chunk_elems, total - start)
-            off = begin + start * item
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # frombuffer on a mapping: fine, we never write
-                yield torch.frombuffer(self.mm, dtype=dtype, count=n, offset=off)
-            # Drop the chunk's pages from this process: the file stays in the page cache, and a
-            # later access simply faults them in again.
-            lo = off - off % page
-            hi = off + n * item
-            # Keep a page the next chunk shares; after the last chunk release its last page too.
-            hi = hi - hi % page if start + n < total else min(len(self.mm), -(-hi // page) * page)
-            if hi > lo and hasattr(self.mm, "madvise"):
-                try:
-                    self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                except (OSError, ValueError):
-                    pass
+        try:
+            for start in range(0, total, chunk_elems):
+                n = min(chunk_elems, total - start)
+                off = begin + start * item
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # frombuffer on a mapping: fine, we never write
+                    yield torch.frombuffer(self.mm, dtype=dtype, count=n, offset=off)
+                # Drop the chunk's pages from this process: the file stays in the page cache,
+                # and a later access simply faults them in again. Keep a page the next chunk
+                # shares.
+                hi = off + n * item
+                self._release(off - off % page, hi - hi % page)
+        finally:
+            # The whole range once more, also when the reader stopped early (zip stops at the
+            # shorter iterator): pages the kernel mapped around our faults (fault-around, large
+            # folios), here or from another thread reading a neighbouring range, go too.
+            self._release(begin - begin % page, min(len(self.mm), -(-end // page) * page))
+
+    def _release(self, lo: int, hi: int) -> None:
+        if hi > lo and hasattr(self.mm, "madvise"):
+            try:
+                self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
 
 
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
