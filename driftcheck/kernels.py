@@ -132,14 +132,6 @@ def first_index(r, t, value):  # pragma: no cover (compiled)
 
 
 @_jit()
-def _spacing(x, tiny, unit):  # pragma: no cover (compiled)
-    if unit == 0.0:
-        return 1.0
-    _, ex = math.frexp(max(x, tiny))  # x = f * 2^ex, f in [0.5, 1)
-    return unit * math.ldexp(1.0, ex - 1)
-
-
-@_jit()
 def general_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compiled)
     """Partials (``FIELDS``) of any chunk pair, NaN and Inf included: error metrics over the
     positions where both sides are finite, each side's own statistics over its finite values,
@@ -168,6 +160,8 @@ def general_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compi
     new = 0
     mismatch = 0
     bits = np.empty(1, np.float64)
+    pw = np.empty(1, np.float64)
+    pw_bits = pw.view(np.int64)
     for i in range(r.shape[0]):
         a = np.float64(r[i])
         b = np.float64(t[i])
@@ -202,11 +196,18 @@ def general_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compi
             if ae > mx:  # strict: the first position holding the maximum keeps it
                 mx = ae
                 mi = i
-            mu = max(mu, ae / _spacing(ar, tiny, unit))
+            if unit > 0.0:  # ae / 2^floor(log2 max(|r|, tiny)): the exponent bits alone
+                pw[0] = max(ar, tiny)
+                pw_bits[0] &= _EXPONENT_BITS
+                mu = max(mu, ae / pw[0])
+            else:
+                mu = max(mu, ae)
             outside += ae > atol + rtol * ar
             exact += ae == 0.0
             bits[0] = ae
             hist[bits.view(np.int64)[0] >> 52] += 1
+    if unit > 0.0:
+        mu = mu / unit
     return (n_pair, n_ref, n_tgt, s_abs, s_sq, s_rr, s_tt, s_rt, ref_sq, tgt_sq, mx, mu, outside,
             amax, exact, nan_r, nan_t, inf_r, inf_t, new, mismatch, mi)
 
@@ -217,51 +218,80 @@ def segment_stats(x, lengths, out):  # pragma: no cover (compiled)
     ``out`` (float64, ``(len(lengths), 9)``) per segment, columns as ``stats.FIELDS``: min, max,
     mean, std (population), absmax, l2 over the finite values (NaN for min..std without any,
     absmax 0), then the NaN count, the Inf count and the length. Two passes per segment (the
-    mean, then the squared deviations from it): no cancellation for |mean| >> std."""
+    mean, then the squared deviations from it): no cancellation for |mean| >> std. A segment
+    whose sums come out finite has no NaN/Inf and takes the vectorized passes."""
     start = 0
     for k in range(lengths.shape[0]):
         n = lengths[k]
         seg = x[start:start + n]
         start += n
-        count = 0
-        nan = 0
-        inf = 0
-        s = 0.0
-        sq = 0.0
-        lo = math.inf
-        hi = -math.inf
-        for j in range(n):
-            v = np.float64(seg[j])
-            if math.isfinite(v):
-                count += 1
-                s += v
-                sq += v * v
-                lo = min(lo, v)
-                hi = max(hi, v)
-            elif math.isnan(v):
-                nan += 1
-            else:
-                inf += 1
         row = out[k]
-        row[6] = nan
-        row[7] = inf
         row[8] = n
-        row[5] = math.sqrt(sq)
-        if count == 0:
-            row[0] = row[1] = row[2] = row[3] = math.nan
-            row[4] = 0.0
-            continue
-        mean = s / count
-        dev = 0.0
-        for j in range(n):
-            v = np.float64(seg[j])
-            if math.isfinite(v):
-                dev += (v - mean) * (v - mean)
-        row[0] = lo
-        row[1] = hi
-        row[2] = mean
-        row[3] = math.sqrt(dev / count)
-        row[4] = max(abs(lo), abs(hi))
+        s, sq, lo, hi = dense_stats(seg)
+        if n > 0 and math.isfinite(s) and math.isfinite(sq):
+            mean = s / n
+            row[0] = lo
+            row[1] = hi
+            row[2] = mean
+            row[3] = math.sqrt(_squared_deviation(seg, mean) / n)
+            row[4] = max(abs(lo), abs(hi))
+            row[5] = math.sqrt(sq)
+            row[6] = 0.0
+            row[7] = 0.0
+        else:
+            _segment_general(seg, row)
+
+
+@_jit(fastmath=_FLAGS)
+def _squared_deviation(seg, mean):  # pragma: no cover (compiled)
+    dev = 0.0
+    for j in range(seg.shape[0]):
+        d = np.float64(seg[j]) - mean
+        dev += d * d
+    return dev
+
+
+@_jit()
+def _segment_general(seg, row):  # pragma: no cover (compiled)
+    """``segment_stats`` of one segment holding NaN/Inf (or overflowing float64 squares)."""
+    n = seg.shape[0]
+    count = 0
+    nan = 0
+    inf = 0
+    s = 0.0
+    sq = 0.0
+    lo = math.inf
+    hi = -math.inf
+    for j in range(n):
+        v = np.float64(seg[j])
+        if math.isfinite(v):
+            count += 1
+            s += v
+            sq += v * v
+            lo = min(lo, v)
+            hi = max(hi, v)
+        elif math.isnan(v):
+            nan += 1
+        else:
+            inf += 1
+    row[6] = nan
+    row[7] = inf
+    row[5] = math.sqrt(sq)
+    if count == 0:
+        row[0] = row[1] = row[2] = row[3] = math.nan
+        row[4] = 0.0
+        return
+    mean = s / count
+    dev = 0.0
+    for j in range(n):
+        v = np.float64(seg[j])
+        if math.isfinite(v):
+            dev += (v - mean) * (v - mean)
+    row[0] = lo
+    row[1] = hi
+    row[2] = mean
+    row[3] = math.sqrt(dev / count)
+    row[4] = max(abs(lo), abs(hi))
 
 
 @_jit()

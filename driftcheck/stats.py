@@ -45,7 +45,13 @@ def _fp8_stats(t: torch.Tensor) -> torch.Tensor:
 
 def _base_stats(t: torch.Tensor) -> torch.Tensor:
     acc = _acc_dtype(t.device)
+    nan_count = inf_count = None
     if t.is_complex():
+        # Counted on the complex values (a NaN in either part is a NaN, even where |z| = inf
+        # by C99's hypot), summarised by magnitude.
+        nan_mask = torch.isnan(t)
+        nan_count = nan_mask.sum().to(acc)
+        inf_count = (torch.isinf(t) & ~nan_mask).sum().to(acc)
         t = t.abs()
     x = t.detach().reshape(-1).to(acc)
     n = x.numel()
@@ -68,7 +74,8 @@ def _base_stats(t: torch.Tensor) -> torch.Tensor:
         torch.where(nofinite, nanv, mn), torch.where(nofinite, nanv, mx),
         torch.where(nofinite, nanv, mean), torch.where(nofinite, nanv, var.sqrt()),
         xz.abs().max(), torch.linalg.vector_norm(xz),
-        torch.isnan(x).sum().to(acc), torch.isinf(x).sum().to(acc),
+        torch.isnan(x).sum().to(acc) if nan_count is None else nan_count,
+        torch.isinf(x).sum().to(acc) if inf_count is None else inf_count,
         torch.tensor(float(n), dtype=acc, device=x.device),
     ])
 

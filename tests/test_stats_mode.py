@@ -248,3 +248,12 @@ def test_a_tensor_changed_in_place_is_summarised_again(tmp_path):
     assert before["mean"] == made["mean"]  # the same tensor, unchanged: the same summary
     assert after["mean"] == pytest.approx(2 * before["mean"], rel=1e-6)
     assert after["absmax"] == pytest.approx(2 * before["absmax"], rel=1e-6)
+
+
+def test_complex_nan_and_inf_are_counted_on_the_complex_values():
+    # |inf + nan j| is inf (C99 hypot), yet the element holds a NaN: counted as NaN, not Inf.
+    inf, nan = float("inf"), float("nan")
+    z = torch.tensor([complex(inf, nan), complex(nan, inf), complex(inf, 0.0), complex(1.0, 2.0)])
+    d = stats.to_dict(stats.stats_vector(z).tolist())
+    assert (d["nan"], d["inf"], d["numel"]) == (2, 1, 4)
+    assert d["max"] == pytest.approx(abs(complex(1.0, 2.0)))
