@@ -5,6 +5,7 @@ the numbers mean something on any host: absolute times depend on the CPU and the
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import functools
@@ -46,14 +47,18 @@ def llama_scenario(size: str, steps: int, seed: int = 0) -> Scenario:
                     steps=steps, name=f"llama-{size}")
 
 
-def add_common_args(ap: Any) -> None:
+def parse_args(doc: str | None, **options: dict[str, Any]) -> argparse.Namespace:
+    """A benchmark's command line: ``--quick``, ``--threads`` and ``options`` (``--name`` ->
+    add_argument keywords, underscores as dashes); sets torch's intra-op threads."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: steady timings on a shared host)")
-
-
-def setup(args: Any) -> None:
+    for name, kwargs in options.items():
+        ap.add_argument("--" + name.replace("_", "-"), **kwargs)
+    args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
 
 
 def params(model: torch.nn.Module) -> int:

@@ -9,7 +9,6 @@ Target: <= 1 GB on a 4 GB trace.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -21,12 +20,9 @@ from _synth import write_pair
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    c.add_common_args(ap)
-    ap.add_argument("--gb", type=float, default=None, help="bytes per trace (default 4, quick 1)")
-    ap.add_argument("--dir", default=".", help="where to write the traces")
-    args = ap.parse_args()
-    c.setup(args)
+    args = c.parse_args(__doc__,
+                        gb=dict(type=float, default=None, help="bytes per trace (default 4, quick 1)"),
+                        dir=dict(default=".", help="where to write the traces"))
     nbytes = int((args.gb or (1.0 if args.quick else 4.0)) * 1e9)
     with c.scratch(args.dir) as tmp:
         t0 = time.perf_counter()

@@ -12,7 +12,6 @@ has workers (the one-worker rows show what threads add).
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import _common as c  # noqa: E402  (sets sys.path)
@@ -24,12 +23,9 @@ from driftcheck.store import TraceReader
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    c.add_common_args(ap)
-    ap.add_argument("--gb", type=float, default=None, help="bytes per trace (default 1, quick 0.25)")
-    ap.add_argument("--workers", default="1,2", help="compare threads to try")
-    args = ap.parse_args()
-    c.setup(args)
+    args = c.parse_args(__doc__,
+                        gb=dict(type=float, default=None, help="bytes per trace (default 1, quick 0.25)"),
+                        workers=dict(default="1,2", help="compare threads to try"))
     nbytes = int((args.gb or (0.25 if args.quick else 1.0)) * 1e9)
     rows = []
     with c.scratch(".") as tmp:

@@ -10,7 +10,6 @@ module and output gradient that do nothing) is the floor of any eager-hook trace
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -75,11 +74,7 @@ def run_once(sc, model0, mode: dict | None, out: Path) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    c.add_common_args(ap)
-    ap.add_argument("--sizes", default="tiny,16m")
-    args = ap.parse_args()
-    c.setup(args)
+    args = c.parse_args(__doc__, sizes=dict(default="tiny,16m", help="models: tiny, 16m"))
     steps, repeats = (2, 2) if args.quick else (3, 5)
     rows = []
     with c.scratch(".") as tmp:

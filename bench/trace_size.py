@@ -7,7 +7,6 @@ user can reason about (full mode stores parameters, gradients, optimizer state a
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 
 import _common as c  # noqa: E402  (sets sys.path)
@@ -16,11 +15,7 @@ from record_overhead import MODES, run_once
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    c.add_common_args(ap)
-    ap.add_argument("--sizes", default="tiny,16m")
-    args = ap.parse_args()
-    c.setup(args)
+    args = c.parse_args(__doc__, sizes=dict(default="tiny,16m", help="models: tiny, 16m"))
     steps = 1 if args.quick else 2
     rows = []
     with c.scratch(".") as tmp:

@@ -7,7 +7,6 @@ Target: >= 70% of the disk's bandwidth.
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 from pathlib import Path
@@ -30,12 +29,9 @@ def write_trace(out: Path, tensors: list[torch.Tensor], entries: list[dict],
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    c.add_common_args(ap)
-    ap.add_argument("--dir", default=".", help="where to write (the disk being measured)")
-    ap.add_argument("--gb", type=float, default=None, help="bytes to write (default 2, quick 0.5)")
-    args = ap.parse_args()
-    c.setup(args)
+    args = c.parse_args(__doc__,
+                        dir=dict(default=".", help="where to write (the disk being measured)"),
+                        gb=dict(type=float, default=None, help="bytes to write (default 2, quick 0.5)"))
     nbytes = int((args.gb or (0.5 if args.quick else 2.0)) * 1e9)
     tensor_bytes = 16 << 20  # activation-sized pieces, as a large model's step produces
     g = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
 """The compiled inner loops of ``metrics.ErrorAccumulator`` (one pass over a chunk pair) and of
 ``stats.summarize`` on the host (statistics of many captured tensors at once).
 
-Pure numerics, no I/O. Each kernel reads a chunk pair of float32 or float64 numpy arrays (the
-caller widens other dtypes exactly), computes every per-chunk partial in float64 registers in a
+Pure numerics, no I/O. Each kernel reads a chunk pair of float32 or float64 numpy arrays
+(``host_array`` widens other dtypes exactly), computes every per-chunk partial in float64 registers in a
 single pass, and releases the GIL, so compare's worker threads run truly in parallel. Compiled by
 numba on first use and cached on disk beside this file (or in numba's user cache directory).
 
@@ -24,6 +24,7 @@ import math
 
 import numba
 import numpy as np
+import torch
 
 HIST_BINS = 2048  # float64 biased exponents
 _EXPONENT_BITS = np.int64(0x7FF0000000000000)
@@ -41,6 +42,16 @@ def _jit(**options):
         except RuntimeError:  # numba: "cannot cache function ...: no locator available"
             return numba.njit(nogil=True, **options)(fn)
     return decorate
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A real tensor as the kernels read it: flat, on the host, float32 or float64 as stored,
+    narrower floats (fp16, bf16, fp8) widened to float32 and integers/bool to float64, both
+    exact (int64 beyond 2^53 excepted). A view where nothing needs converting."""
+    x = t.detach().reshape(-1).to("cpu")  # move first, then widen: TPU/MPS have no float64
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.to(torch.float32 if x.is_floating_point() else torch.float64)
+    return x.numpy()
 
 
 # Partials returned by both passes, in this order.
@@ -296,8 +307,7 @@ def _segment_general(seg, row):  # pragma: no cover (compiled)
 
 @_jit()
 def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (compiled)
-    """Stats-mode sample positions of many tensors (``stats.sample_indices``'s formula, the same
-    numbers): row i of ``out`` is min(floor(((base + shifts[i]) mod 1) * lengths[i]),
+    """Stats-mode sample positions of many tensors (``stats.sample_indices``): row i of ``out`` is min(floor(((base + shifts[i]) mod 1) * lengths[i]),
     lengths[i] - 1) + offsets[i]. base + shift lies in [0, 2): subtracting 1 is exact."""
     for i in range(shifts.shape[0]):
         n = lengths[i]

@@ -192,20 +192,10 @@ class _Sum:
         return self.total + self.comp
 
 
-_WIDE = (torch.float32, torch.float64)
-
-
 def _as_array(chunk: torch.Tensor) -> np.ndarray:
-    """Flat CPU numpy view (or exact widening) of one chunk for the kernels: float32 and float64
-    as they are, narrower floats (fp16, bf16, fp8) widened to float32 (exact), integers and bool
-    to float64; complex as interleaved (real, imag)."""
-    c = chunk.detach()
-    if c.is_complex():
-        c = torch.view_as_real(c)
-    c = c.reshape(-1).to("cpu")  # move first, then widen: TPU/MPS have no float64
-    if c.dtype not in _WIDE:
-        c = c.to(torch.float32 if c.is_floating_point() else torch.float64)
-    return c.numpy()
+    """One chunk as the kernels read it (``kernels.host_array``); complex as interleaved
+    (real, imag)."""
+    return kernels.host_array(torch.view_as_real(chunk) if chunk.is_complex() else chunk)
 
 
 _LOG10_2 = math.log10(2.0)
@@ -453,55 +443,3 @@ def error_histogram(ref: torch.Tensor, tgt: torch.Tensor, max_bins: int = 40, *,
     for r, t in zip(_flat_chunks(ref, chunk_elems), _flat_chunks(tgt, chunk_elems)):
         acc.update(r, t)
     return acc.histogram(max_bins)
-
-
-SUMMARY_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel", "zeros")
-
-
-def summary_stats(t: torch.Tensor, *, chunk_elems: int = 1 << 20) -> dict[str, float | int]:
-    """Summary of ``t`` over its finite values, in float64, streamed (the reference for stats.py).
-
-    Keys: ``min``, ``max``, ``mean``, ``std`` (population, as stats.py), ``absmax``, ``l2``
-    (over finite values), ``nan``, ``inf``, ``numel``, ``zeros`` (exact zeros). With no finite
-    value min/max/mean/std are NaN; an empty tensor also has absmax NaN. Complex tensors are
-    summarised by their magnitudes, like stats.py.
-    """
-    n_all = n = 0
-    mean = m2 = 0.0
-    lo, hi, absmax = math.inf, -math.inf, 0.0
-    sq = _Sum()
-    nan = inf = zeros = 0
-    for chunk in _flat_chunks(t, chunk_elems):
-        x = torch.from_numpy(_as_array(chunk.abs() if chunk.is_complex() else chunk)).double()
-        n_all += x.numel()
-        nan += int(torch.isnan(x).sum())
-        inf += int(torch.isinf(x).sum())
-        x = x[torch.isfinite(x)]
-        zeros += int((x == 0).sum())
-        k = x.numel()
-        if k == 0:
-            continue
-        mk = float(x.mean())
-        m2k = float(((x - mk) ** 2).sum())
-        # Chan et al. pairwise merge of (count, mean, M2): stable where sum x^2 - n mean^2 is not.
-        delta = mk - mean
-        total = n + k
-        mean += delta * k / total
-        m2 += m2k + delta * delta * n * k / total
-        n = total
-        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
-        absmax = max(absmax, float(x.abs().max()))
-        sq.add(float((x * x).sum()))
-    nanv = math.nan
-    return {
-        "min": lo if n else nanv,
-        "max": hi if n else nanv,
-        "mean": mean if n else nanv,
-        "std": math.sqrt(m2 / n) if n else nanv,
-        "absmax": absmax if n_all else nanv,
-        "l2": math.sqrt(sq.value),
-        "nan": nan,
-        "inf": inf,
-        "numel": n_all,
-        "zeros": zeros,
-    }

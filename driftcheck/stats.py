@@ -104,17 +104,21 @@ def sample_indices(key: str, numel: int, seed: int) -> np.ndarray:
     """Flat indices of the stats-mode sample of a tensor: a function of (key, numel, seed) only,
     so two runs sample the same positions. One uniform point set per seed, shifted per key
     (a Cranley-Patterson rotation): well spread, different for every key and step."""
-    if numel <= SAMPLE_SIZE:
-        return np.arange(numel, dtype=np.int64)
-    base = _base_points(seed)
-    shift = zlib.crc32(key.encode()) / 2.0**32
-    return np.minimum(((base + shift) % 1.0 * numel).astype(np.int64), numel - 1)
+    return _flat_sample_indices([key], [numel], np.zeros(1, dtype=np.int64), seed)
+
+
+def sample_of(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
+    """The stats-mode sample of ``t``: its flat elements at ``sample_indices``, on its device."""
+    idx = torch.from_numpy(sample_indices(key, t.numel(), seed))
+    return t.reshape(-1)[idx.to(t.device)]
 
 
 def _flat_sample_indices(keys: list[str], lengths: list[int], offsets: np.ndarray,
                          seed: int) -> np.ndarray:
     """``sample_indices`` of many tensors, tensor i starting at ``offsets[i]`` in a flat
-    buffer, concatenated: the same numbers, computed in one compiled pass."""
+    buffer, concatenated, in one compiled pass: all of a tensor when it has at most
+    SAMPLE_SIZE elements, else min(floor(((base + crc32(key) / 2^32) mod 1) * numel), numel - 1)
+    over the seed's SAMPLE_SIZE uniform base points."""
     lengths_a = np.asarray(lengths, dtype=np.int64)
     offsets = np.asarray(offsets, dtype=np.int64)
     big = lengths_a > SAMPLE_SIZE
@@ -150,14 +154,12 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
         if t.numel() >= BIG and t.device.type == "cpu" and t.dtype not in _FP8 and t.is_floating_point():
             rows[i] = _large_stats(t)
             if sample_keys[i] is not None:
-                idx = sample_indices(sample_keys[i], t.numel(), seed)
-                samples[i] = t.reshape(-1)[torch.from_numpy(idx)]
+                samples[i] = sample_of(t, sample_keys[i], seed)
             continue
         if t.numel() == 0 or t.is_complex():
             rows[i] = stats_vector(t)
             if sample_keys[i] is not None:
-                idx = sample_indices(sample_keys[i], t.numel(), seed)
-                samples[i] = t.reshape(-1)[torch.from_numpy(idx).to(t.device)]
+                samples[i] = sample_of(t, sample_keys[i], seed)
             continue
         groups.setdefault((t.device, t.dtype), []).append(i)
     for idxs in groups.values():
@@ -173,9 +175,8 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
                                                          [sample_keys[i] for i in part], seed)
             except (RuntimeError, NotImplementedError):  # a backend without segment_reduce
                 got_rows = [stats_vector(tensors[i]) for i in part]
-                got_samples = [None if sample_keys[i] is None else tensors[i].reshape(-1)[
-                    torch.from_numpy(sample_indices(sample_keys[i], tensors[i].numel(), seed)
-                                     ).to(tensors[i].device)] for i in part]
+                got_samples = [None if sample_keys[i] is None else
+                               sample_of(tensors[i], sample_keys[i], seed) for i in part]
             for j, i in enumerate(part):
                 rows[i], samples[i] = got_rows[j], got_samples[j]
             start = end
@@ -191,20 +192,18 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
     path decides."""
     from driftcheck import kernels  # numba: imported where it is used
 
-    x = t.detach().reshape(-1)
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.float()  # exact for every narrower float
-    s, sq, mn, mx = kernels.dense_stats(x.numpy())
+    x = kernels.host_array(t)
+    s, sq, mn, mx = kernels.dense_stats(x)
     if not all(math.isfinite(v) for v in (s, sq, mn, mx)):
         return stats_vector(t)  # NaN/Inf (or a float64 overflow): the exact masking path
     l2 = math.sqrt(sq)
-    n = x.numel()
+    n = x.size
     mean = s / n
     var = sq / n - mean * mean
     if var > 1e-3 * mean * mean:
         std = math.sqrt(var)  # no cancellation to fear
     else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
-        std = float(torch.std(x, correction=0))
+        std = float(torch.std(torch.from_numpy(x), correction=0))
     nan = float("nan")
     # One host tensor from Python floats (the values are on the host already): building the row
     # from 0-d tensors costs more than the pass over a mid-sized tensor.
@@ -232,10 +231,8 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
         # registers), no float64 copy of the group and no masking passes.
         from driftcheck import kernels  # numba: imported where it is used
 
-        wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.to(
-            torch.float32 if flat.is_floating_point() else torch.float64)
         out = np.empty((len(ts), len(FIELDS)), dtype=np.float64)
-        kernels.segment_stats(wide.numpy(), np.asarray(lengths, dtype=np.int64), out)
+        kernels.segment_stats(kernels.host_array(flat), np.asarray(lengths, dtype=np.int64), out)
         rows = torch.from_numpy(np.concatenate(
             [out, np.full((len(ts), len(FP8_FIELDS)), np.nan)], axis=1))
         return list(rows.unbind(0)), samples

@@ -535,8 +535,7 @@ class Tracer:
                     row, sample = rows[0], samples[0]
                     self._remember_summary(t, row)
                 else:  # the same tensor, unchanged, seen earlier this step: only the sample
-                    idx = tstats.sample_indices(skey, data.numel(), self.seed)
-                    sample = data.reshape(-1)[torch.from_numpy(idx).to(data.device)]
+                    sample = tstats.sample_of(data, skey, self.seed)
                 summary, data = (row, sample), sample
             elif copy:
                 data = data.clone()  # copy at hook time: later in-place ops must not leak in

@@ -16,12 +16,11 @@ from driftcheck.metrics import (
     coarser,
     default_tolerances,
     error_histogram,
-    summary_stats,
     tensor_error,
     ulp,
     unit_roundoff,
 )
-from driftcheck.metrics import _flat_chunks
+from driftcheck.metrics import _as_array, _flat_chunks, _Sum
 
 INF, NAN = math.inf, math.nan
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -490,6 +489,58 @@ def test_error_histogram_of_a_nan_chunk_counts_only_finite_pairs():
 
 
 # ---------------------------------------------------------------- summary statistics
+SUMMARY_FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel", "zeros")
+
+
+def summary_stats(t: torch.Tensor, *, chunk_elems: int = 1 << 20) -> dict[str, float | int]:
+    """Summary of ``t`` over its finite values, in float64, streamed: the test oracle for stats.py.
+
+    Keys: ``min``, ``max``, ``mean``, ``std`` (population, as stats.py), ``absmax``, ``l2``
+    (over finite values), ``nan``, ``inf``, ``numel``, ``zeros`` (exact zeros). With no finite
+    value min/max/mean/std are NaN; an empty tensor also has absmax NaN. Complex tensors are
+    summarised by their magnitudes, like stats.py.
+    """
+    n_all = n = 0
+    mean = m2 = 0.0
+    lo, hi, absmax = math.inf, -math.inf, 0.0
+    sq = _Sum()
+    nan = inf = zeros = 0
+    for chunk in _flat_chunks(t, chunk_elems):
+        x = torch.from_numpy(_as_array(chunk.abs() if chunk.is_complex() else chunk)).double()
+        n_all += x.numel()
+        nan += int(torch.isnan(x).sum())
+        inf += int(torch.isinf(x).sum())
+        x = x[torch.isfinite(x)]
+        zeros += int((x == 0).sum())
+        k = x.numel()
+        if k == 0:
+            continue
+        mk = float(x.mean())
+        m2k = float(((x - mk) ** 2).sum())
+        # Chan et al. pairwise merge of (count, mean, M2): stable where sum x^2 - n mean^2 is not.
+        delta = mk - mean
+        total = n + k
+        mean += delta * k / total
+        m2 += m2k + delta * delta * n * k / total
+        n = total
+        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+        absmax = max(absmax, float(x.abs().max()))
+        sq.add(float((x * x).sum()))
+    nanv = math.nan
+    return {
+        "min": lo if n else nanv,
+        "max": hi if n else nanv,
+        "mean": mean if n else nanv,
+        "std": math.sqrt(m2 / n) if n else nanv,
+        "absmax": absmax if n_all else nanv,
+        "l2": math.sqrt(sq.value),
+        "nan": nan,
+        "inf": inf,
+        "numel": n_all,
+        "zeros": zeros,
+    }
+
+
 def test_summary_stats_table():
     # finite: [1, -2, 0, 3]: mean 0.5; deviations .5 -2.5 -.5 2.5 -> var 13/4; l2 sqrt 14
     s = summary_stats(torch.tensor([1.0, -2.0, 0.0, NAN, INF, 3.0]))

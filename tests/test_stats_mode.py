@@ -3,6 +3,7 @@ runs, compare's estimates from them, fp8 under/overflow counts, and no effect on
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -206,16 +207,27 @@ def test_traced_equals_untraced_bitwise_in_every_mode(mode, background, tmp_path
         assert torch.equal(states[0][k], states[1][k]), k
 
 
-def test_vectorized_sample_indices_are_the_per_tensor_ones():
-    # The batched path must pick exactly sample_indices' positions (both runs rely on them).
+def _reference_positions(key: str, numel: int, seed: int) -> np.ndarray:
+    """The sample positions as specified, in plain numpy (the compiled kernel must match)."""
+    if numel <= stats.SAMPLE_SIZE:
+        return np.arange(numel, dtype=np.int64)
+    base = np.random.default_rng(seed).random(stats.SAMPLE_SIZE)
+    shift = zlib.crc32(key.encode()) / 2.0**32
+    return np.minimum(((base + shift) % 1.0 * numel).astype(np.int64), numel - 1)
+
+
+def test_sample_positions_follow_the_reference_formula_one_by_one_and_batched():
+    # Both runs rely on these positions: the compiled path must pick exactly the specified ones.
     g = np.random.default_rng(0)
-    lengths = [int(x) for x in g.choice([0, 1, 5, 511, 512, 513, 700, 100_000], 40)]
+    lengths = [int(x) for x in g.choice([0, 1, 5, 511, 512, 513, 700, 100_000, 10**9], 40)]
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     keys = [f"0/forward/m{i}/0/output" for i in range(40)]
+    for k, n in zip(keys, lengths):
+        assert np.array_equal(stats.sample_indices(k, n, 3), _reference_positions(k, n, 3))
     chosen = sorted(g.choice(40, 25, replace=False).tolist())
     got = stats._flat_sample_indices([keys[i] for i in chosen], [lengths[i] for i in chosen],
                                      offsets[chosen], 3)
-    want = np.concatenate([stats.sample_indices(keys[i], lengths[i], 3) + offsets[i]
+    want = np.concatenate([_reference_positions(keys[i], lengths[i], 3) + offsets[i]
                            for i in chosen])
     assert np.array_equal(got, want)
 
