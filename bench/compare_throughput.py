@@ -33,6 +33,8 @@ def main() -> None:
         # (measured in parts side by side).
         for label, tensor_bytes in (("64 MiB tensors", 64 << 20), ("one tensor", nbytes)):
             per_trace = write_pair(tmp / "ref", tmp / "tgt", nbytes, tensor_bytes)
+            # Untimed: loads (or compiles) the kernels and warms the page cache.
+            Comparison(TraceReader(tmp / "ref"), TraceReader(tmp / "tgt")).run()
             for w in (int(x) for x in args.workers.split(",")):
                 # memcpy on as many threads as compare has workers: like against like.
                 threads = torch.get_num_threads()
