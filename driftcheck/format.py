@@ -59,6 +59,11 @@ class Key:
         return (self.step, self.phase, self.module, self.call, self.slot)
 
 
+def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:
+    """``entry_key(entry).align`` without building the Key: what two runs' entries match on."""
+    return (entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
+
+
 class FormatError(ValueError):
     """A manifest that does not follow this format."""
 
@@ -109,37 +114,41 @@ def validate_manifest(m: Any) -> dict[str, Any]:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise FormatError(f"manifest shard {shard!r} has an invalid byte size")
     seen: set[tuple] = set()
+    shards = m["shards"]
     for i, e in enumerate(m["entries"]):
-        if not isinstance(e, dict):
+        if type(e) is not dict:
             raise FormatError(f"manifest entry {i} is not an object")
         for f, typ in _ENTRY_FIELDS.items():
             v = e.get(f)
-            if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            if type(v) is not typ:  # exact: json.loads makes no subclasses, and bool is no int
                 raise FormatError(f"manifest entry {i} field {f!r} is missing or has the wrong type")
         if e["phase"] not in PHASE_RANK:
             raise FormatError(f"manifest entry {i} has unknown phase {e['phase']!r}")
         if e["dtype"] not in DTYPES:
             raise FormatError(f"manifest entry {i} has unsupported dtype {e['dtype']!r}")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in e["shape"]):
-            raise FormatError(f"manifest entry {i} has an invalid shape {e['shape']!r}")
+        for d in e["shape"]:
+            if type(d) is not int or not 0 <= d < 2**40:
+                raise FormatError(f"manifest entry {i} has an invalid shape {e['shape']!r}")
         if e["step"] < 0 or e["call"] < 0:
             raise FormatError(f"manifest entry {i} has a negative step or call")
         tensor = e.get("tensor")
         if tensor is not None:
-            if not isinstance(tensor, dict) or not isinstance(tensor.get("shard"), str) \
-                    or not isinstance(tensor.get("name"), str):
+            if type(tensor) is not dict or type(tensor.get("shard")) is not str \
+                    or type(tensor.get("name")) is not str:
                 raise FormatError(f"manifest entry {i} has a malformed 'tensor' reference")
-            if tensor["shard"] not in m["shards"]:
+            if tensor["shard"] not in shards:
                 raise FormatError(f"manifest entry {i} points to shard {tensor['shard']!r} "
                                   "that the manifest does not list")
         sample = e.get("sample")
-        if sample is not None and not (isinstance(sample, dict) and isinstance(sample.get("shard"), str)
-                                       and sample["shard"] in m["shards"]
-                                       and isinstance(sample.get("name"), str)):
+        if sample is not None and not (type(sample) is dict and type(sample.get("shard")) is str
+                                       and sample["shard"] in shards
+                                       and type(sample.get("name")) is str):
             raise FormatError(f"manifest entry {i} has a malformed 'sample' reference")
         _check_stats(i, e["stats"])
-        _check_meta(i, e.get("meta"))
-        k = entry_key(e).align
+        meta = e.get("meta")
+        if meta is not None:
+            _check_meta(i, meta)
+        k = (e["step"], e["phase"], e["module"], e["call"], e["slot"])
         if k in seen:
             raise FormatError(f"manifest entry {i} repeats key {e['key']!r}")
         seen.add(k)
@@ -162,6 +171,12 @@ _RUN_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+_PRECISION_FIELDS: dict[str, type] = {
+    "device": dict, "dtype": str, "autocast": str, "matmul_precision": str, "allow_tf32": dict,
+    "fp32_precision": dict, "fp8": dict, "versions": dict, "host": dict, "env": dict,
+}
+
+
 def _check_run(run: dict[str, Any]) -> None:
     for f, typ in _RUN_FIELDS.items():
         v = run.get(f)
@@ -169,15 +184,24 @@ def _check_run(run: dict[str, Any]) -> None:
             raise FormatError(f"manifest run field {f!r} has the wrong type ({type(v).__name__})")
     if run.get("steps") is not None and not 0 <= run["steps"] <= 1 << 31:
         raise FormatError(f"manifest run 'steps' is {run['steps']}, expected a step count")
+    for f, typ in _PRECISION_FIELDS.items():  # what the noise floor reads (precision.py)
+        v = (run.get("precision") or {}).get(f)
+        if v is not None and not isinstance(v, typ):
+            raise FormatError(f"manifest run precision field {f!r} has the wrong type "
+                              f"({type(v).__name__}, expected {typ.__name__})")
+
+
+_NUMBER_TYPES = (int, float, type(None))
 
 
 def _check_stats(i: int, stats: dict[str, Any]) -> None:
     # Summary statistics are numbers, or null where a tensor has no finite value (json_safe).
     for k, v in stats.items():
-        if not _is_num(v):
+        if type(v) not in _NUMBER_TYPES:
             raise FormatError(f"manifest entry {i} stat {k!r} is not a number")
     for k in ("nan", "inf", "numel"):
-        if stats.get(k) is not None and not (_is_int(stats[k]) and stats[k] >= 0):
+        v = stats.get(k)
+        if v is not None and not (type(v) is int and v >= 0):
             raise FormatError(f"manifest entry {i} stat {k!r} is not a non-negative count")
 
 
