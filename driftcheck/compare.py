@@ -39,7 +39,7 @@ def _order_key(e: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def _align(e: dict[str, Any]) -> tuple:
-    return fmt.entry_key(e).align
+    return fmt.entry_align(e)
 
 
 class _Index:

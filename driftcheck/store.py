@@ -120,7 +120,7 @@ class TraceWriter:
             sample: torch.Tensor | None = None) -> None:
         """Add one manifest entry; ``tensor`` (a host tensor) is stored in the current shard."""
         self._raise_if_failed()
-        k = fmt.entry_key(entry).align
+        k = fmt.entry_align(entry)
         if k in self._keys:
             raise RuntimeError(f"duplicate trace key {entry['key']}")
         self._keys.add(k)
@@ -281,13 +281,16 @@ class TraceWriter:
             manifest["replay"] = fmt.REPLAY
         manifest.update(extra or {})
         # Strict JSON: statistics of a tensor without finite values (all NaN, zero-size) are
-        # null. What is validated is what is written: the text, parsed back.
+        # null. The object validated is the one serialized, and the validator is stricter than
+        # the encoder's coercions (a tuple, a non-string key or an object turned into a string
+        # by ``default`` fails it), so the text always parses back to a valid manifest (tested)
+        # without paying for the parse.
         try:
             text = json.dumps(manifest, default=_json_default, allow_nan=False, separators=(",", ":"))
         except ValueError:  # a NaN/Inf somewhere: becomes null
-            text = json.dumps(fmt.json_safe(manifest, default=_json_default), allow_nan=False,
-                              separators=(",", ":"))
-        fmt.validate_manifest(json.loads(text))
+            manifest = fmt.json_safe(manifest, default=_json_default)
+            text = json.dumps(manifest, allow_nan=False, separators=(",", ":"))
+        fmt.validate_manifest(manifest)
         try:
             _fsync_write(self.dir / fmt.MANIFEST, text.encode())
         except OSError as e:

@@ -7,6 +7,8 @@ format allows, 0-d and zero-size shapes, and the JSON-safety of what the metrics
 """
 from __future__ import annotations
 
+import collections
+import copy
 import json
 import math
 import shutil
@@ -15,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -127,6 +130,64 @@ def test_mutated_manifest_reads_and_compares_or_is_a_user_error(traces, data):
         event(f"compare: {type(result).__name__}")
         if isinstance(result, Report):
             json.dumps(result.to_dict(), allow_nan=False)  # the report is always strict JSON
+
+
+class _Opaque:
+    def __str__(self) -> str:
+        return "opaque"
+
+
+# What a writer's in-memory manifest may hold that JSON text cannot: tuples, numpy scalars,
+# non-string keys, objects ``default`` turns into strings, bools where ints go, float subclasses.
+EXOTIC = [np.int64(3), np.float64(1.5), np.float32(2.0), np.bool_(True), _Opaque(), True, False,
+          (2, 3), (), {1: "a"}, {"1": 1, 1: 2}, float("nan"), float("inf"), -0.0, 10**30, 0, 1.5,
+          "x", None, [1, 2], {}]
+
+
+def _valid_once_written(manifest: Any) -> str:
+    """What TraceWriter.close does: serialize (NaN/Inf as null), validate the object that was
+    serialized. Returns "refused" or "accepted"; on "accepted" the text must parse back valid."""
+    from driftcheck.store import _json_default
+
+    try:
+        text = json.dumps(manifest, default=_json_default, allow_nan=False)
+        obj = manifest
+    except ValueError:
+        obj = fmt.json_safe(manifest, default=_json_default)
+        text = json.dumps(obj, allow_nan=False)
+    try:
+        fmt.validate_manifest(obj)
+    except fmt.FormatError:
+        return "refused"
+    fmt.validate_manifest(json.loads(text))
+    return "accepted"
+
+
+def test_a_manifest_valid_in_memory_is_valid_once_written(traces):
+    """TraceWriter.close validates the object it serializes, not the text parsed back: sound
+    only because whatever json's coercions would change (tuples, numpy scalars, keys, objects
+    ``default`` turns into strings) the validator refuses first. Every field of an entry and of
+    the manifest, set to every such value: accepted in memory means valid once written."""
+    base = json.loads((traces["tgt"] / "manifest.json").read_text())
+    stats_entry = next(i for i, e in enumerate(base["entries"]) if e.get("meta"))
+    paths = [p for p in _paths(base) if len(p) < 2 or p[:2] in (("entries", 0), ("entries", stats_entry))
+             or p[0] != "entries"]
+    outcomes = collections.Counter()
+    for path in paths:
+        for value in EXOTIC:
+            outcomes[_valid_once_written(_set(copy.deepcopy(base), path, value, False))] += 1
+    assert outcomes["refused"] > 100 and outcomes["accepted"] > 100, outcomes
+
+
+@settings(FUZZ, max_examples=200)
+@given(data=st.data())
+def test_a_manifest_valid_in_memory_is_valid_once_written_after_many_edits(traces, data):
+    manifest = json.loads((traces["tgt"] / "manifest.json").read_text())
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        path = data.draw(st.sampled_from(_paths(manifest)), label="path")
+        value = data.draw(st.one_of(st.sampled_from(EXOTIC), json_values), label="value")
+        manifest = _set(manifest, path, value, data.draw(st.booleans(), label="delete"))
+    event(_valid_once_written(manifest))
 
 
 # -- the shard reader ---------------------------------------------------------------------------
