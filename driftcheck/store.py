@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+import orjson
 import torch
 from safetensors import safe_open
 
@@ -281,18 +282,11 @@ class TraceWriter:
             manifest["replay"] = fmt.REPLAY
         manifest.update(extra or {})
         # Strict JSON: statistics of a tensor without finite values (all NaN, zero-size) are
-        # null. The object validated is the one serialized, and the validator is stricter than
-        # the encoder's coercions (a tuple, a non-string key or an object turned into a string
-        # by ``default`` fails it), so the text always parses back to a valid manifest (tested)
-        # without paying for the parse.
+        # null. What is validated is what is written: the text, parsed back.
+        text = manifest_json(manifest)
+        fmt.validate_manifest(orjson.loads(text))
         try:
-            text = json.dumps(manifest, default=_json_default, allow_nan=False, separators=(",", ":"))
-        except ValueError:  # a NaN/Inf somewhere: becomes null
-            manifest = fmt.json_safe(manifest, default=_json_default)
-            text = json.dumps(manifest, allow_nan=False, separators=(",", ":"))
-        fmt.validate_manifest(manifest)
-        try:
-            _fsync_write(self.dir / fmt.MANIFEST, text.encode())
+            _fsync_write(self.dir / fmt.MANIFEST, text)
         except OSError as e:
             raise _write_error(self.dir, e) from e
         (self.dir / INCOMPLETE).unlink(missing_ok=True)
@@ -356,26 +350,49 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
     if metadata:
         header["__metadata__"] = metadata
     offset = 0
+    views = []
     for name, t in order:
-        n = t.numel() * t.element_size()
+        view = _raw_bytes(t)
+        n = view.nbytes
         header[name] = {"dtype": _st_dtype(t.dtype, name), "shape": list(t.shape),
                         "data_offsets": [offset, offset + n]}
         offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
+        if n:
+            views.append(view)
+    raw = manifest_json(header)
     raw += b" " * (-len(raw) % 8)
     # Buffered: stats-mode shards hold thousands of 1-2 KiB samples (one syscall each would
     # dominate); a tensor larger than the buffer still goes straight from its memory.
     with open(path, "wb", buffering=1 << 20) as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for _, t in order:
-            if t.numel():
-                mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                while mv.nbytes:  # raw writes may be partial
-                    mv = mv[f.write(mv):]
+        f.writelines(views)  # BufferedWriter: whole buffers, partial raw writes retried
         if fsync:
             f.flush()
             os.fsync(f.fileno())
     return 8 + len(raw) + offset
+
+
+_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def manifest_json(obj: Any) -> bytes:
+    """``obj`` as compact, strict JSON (UTF-8): NaN/Inf become null, as ``format.json_safe``
+    makes them; non-string keys become strings and other objects ``str()``, as json.dumps with
+    ``_json_default`` does. orjson: a 720-entry manifest takes 0.3 ms instead of 5.5 ms."""
+    try:
+        return orjson.dumps(obj, default=_json_default, option=_ORJSON_OPTIONS)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits, a very deep nesting
+        return json.dumps(fmt.json_safe(obj, default=_json_default), allow_nan=False,
+                          separators=(",", ":")).encode()
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (through numpy where it has the
+    dtype: cheaper than torch's reshape and view for the many small tensors of a shard)."""
+    try:
+        return memoryview(t.numpy()).cast("B")
+    except (TypeError, RuntimeError):  # bfloat16, fp8: no numpy dtype
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _write_error(trace_dir: Path, e: OSError) -> DriftcheckError:
