@@ -50,13 +50,17 @@ class Key:
     slot: str
 
     def __str__(self) -> str:
-        # Human-readable and stable; the fields are stored separately too, so the string
-        # never has to be parsed back.
-        return f"{self.step}/{self.phase}/{self.module or '.'}/{self.call}/{self.slot}"
+        return key_string(self.step, self.phase, self.module, self.call, self.slot)
 
     @property
     def align(self) -> tuple[int, str, str, int, str]:
         return (self.step, self.phase, self.module, self.call, self.slot)
+
+
+def key_string(step: int, phase: str, module: str, call: int, slot: str) -> str:
+    """``str(Key(...))`` without building the Key. Human-readable and stable; the fields are
+    stored separately too, so the string never has to be parsed back."""
+    return f"{step}/{phase}/{module or '.'}/{call}/{slot}"
 
 
 def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:

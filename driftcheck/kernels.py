@@ -13,7 +13,8 @@ exponent of each finite pair's |t - r| as a float64: bin k counts errors in [2^(
 2^(k-1022)); bin 0 holds zero and float64-subnormal errors.
 
 For stats mode on the host: ``segment_stats`` (statistics of many small captures laid end to
-end), ``dense_stats`` (one large capture) and ``sample_positions`` (the seeded sample indices).
+end), ``dense_stats`` (one large capture), ``sample_positions`` (the seeded sample indices) and
+``summarize_into`` (statistics and sample of one capture, taken in its hook).
 
 Sums are float64 and may be reassociated (vectorized partial sums), never fused or approximated:
 no fast-math flag that changes what a single operation returns is set, and NaN/Inf propagate.
@@ -316,6 +317,27 @@ def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (
             if x >= 1.0:
                 x -= 1.0
             out[i, j] = min(np.int64(x * n), n - 1) + offsets[i]
+
+
+@_jit()
+def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compiled)
+    """One capture at once: ``segment_stats`` of all of ``x`` (flat, non-empty) into
+    ``rows[k]`` and its stats-mode sample into ``samples[k]``: all of ``x`` when it has at
+    most len(base) elements, else the elements at ``sample_positions`` for this ``shift``."""
+    n = x.shape[0]
+    lengths = np.empty(1, np.int64)
+    lengths[0] = n
+    segment_stats(x, lengths, rows[k:k + 1])
+    m = base.shape[0]
+    if n <= m:
+        for j in range(n):
+            samples[k, j] = x[j]
+        return
+    for j in range(m):
+        v = base[j] + shift
+        if v >= 1.0:
+            v -= 1.0
+        samples[k, j] = x[min(np.int64(v * n), n - 1)]
 
 
 _MAGNITUDE_BITS = np.int64(0x7FFFFFFFFFFFFFFF)

@@ -22,7 +22,7 @@ _FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "fl
                                              "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def _acc_dtype(device: torch.device) -> torch.dtype:
+def acc_dtype(device: torch.device) -> torch.dtype:
     # float64 where the backend supports it; TPUs and MPS do not, float32 is enough for a summary.
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
@@ -33,7 +33,7 @@ def stats_vector(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_stats(t: torch.Tensor) -> torch.Tensor:
-    acc = _acc_dtype(t.device)
+    acc = acc_dtype(t.device)
     if t.dtype not in _FP8:
         return torch.full((len(FP8_FIELDS),), float("nan"), dtype=acc, device=t.device)
     fi = torch.finfo(t.dtype)
@@ -44,7 +44,7 @@ def _fp8_stats(t: torch.Tensor) -> torch.Tensor:
 
 
 def _base_stats(t: torch.Tensor) -> torch.Tensor:
-    acc = _acc_dtype(t.device)
+    acc = acc_dtype(t.device)
     nan_count = inf_count = None
     if t.is_complex():
         # Counted on the complex values (a NaN in either part is a NaN, even where |z| = inf
@@ -82,15 +82,17 @@ def _base_stats(t: torch.Tensor) -> torch.Tensor:
 
 def to_dict(vec: list[float]) -> dict[str, float | int | None]:
     """Host-side stats vector -> manifest dict (counts as ints)."""
-    d: dict[str, float | int | None] = {}
-    for name, v in zip(COLUMNS, vec):
-        if name in FP8_FIELDS:
-            if v == v:  # NaN: not an fp8 tensor
-                d[name] = int(v)
-        else:
-            # No finite value (all NaN, zero-size): no min/max/mean/std, null in the manifest.
-            d[name] = int(v) if name in ("nan", "inf", "numel") else (
-                float(v) if math.isfinite(v) else None)
+    mn, mx, mean, std, absmax, l2, nan, inf, numel = vec[:9]
+    if math.isfinite(mn + mx + mean + std + absmax + l2):  # the common case, one test
+        d: dict[str, float | int | None] = {
+            "min": mn, "max": mx, "mean": mean, "std": std, "absmax": absmax, "l2": l2}
+    else:  # no finite value (all NaN, zero-size): no min/max/mean/std, null in the manifest
+        d = {name: (float(v) if math.isfinite(v) else None)
+             for name, v in zip(FIELDS[:6], (mn, mx, mean, std, absmax, l2))}
+    d["nan"], d["inf"], d["numel"] = int(nan), int(inf), int(numel)
+    for name, v in zip(FP8_FIELDS, vec[9:]):
+        if v == v:  # NaN: not an fp8 tensor
+            d[name] = int(v)
     return d
 
 
@@ -186,6 +188,55 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
     return torch.stack([r.to(device=first.device, dtype=first.dtype) for r in rows]), samples  # type: ignore[union-attr]
 
 
+_HOST_DTYPES = (torch.float32, torch.float64)
+
+
+class HostSummaries:
+    """Stats rows and samples of small float32/float64 host tensors, taken in the capture hook
+    by one compiled call each (``kernels.summarize_into``) into preallocated blocks. Nothing of
+    the tensor is copied or kept but its sample, and nothing is left to batch at the end of the
+    step: on the host this is cheaper than copying the tensor for ``summarize``, and it gives
+    the same rows and samples, bit for bit (tested)."""
+
+    BLOCK = 256  # captures per block of rows and samples
+
+    def __init__(self, seed: int) -> None:
+        self.base = _base_points(seed)
+        self._blocks: dict[np.dtype, list] = {}  # dtype -> [rows, samples, as tensor, used]
+
+    @staticmethod
+    def eligible(t: torch.Tensor) -> bool:
+        return t.is_cpu and t.dtype in _HOST_DTYPES and 0 < t.numel() < BIG
+
+    def take(self, t: torch.Tensor, key: str) -> tuple[np.ndarray, torch.Tensor] | None:
+        """(stats row without the fp8 columns, sample tensor) of an ``eligible`` tensor without
+        autograd history, or None where it has no numpy view: the caller copies it instead."""
+        try:
+            x = t.numpy().reshape(-1)  # a copy only when t is not contiguous
+        except (RuntimeError, TypeError):
+            return None
+        blk = self._blocks.get(x.dtype)
+        if blk is None or blk[3] == self.BLOCK:
+            samples = np.empty((self.BLOCK, SAMPLE_SIZE), dtype=x.dtype)
+            # the sample tensors, made in one call: indexing a tensor per capture costs more
+            blk = [np.empty((self.BLOCK, len(FIELDS))), samples,
+                   torch.from_numpy(samples).unbind(0), 0]
+            self._blocks[x.dtype] = blk
+        k = blk[3]
+        blk[3] = k + 1
+        kernels = _kernels()
+        kernels.summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[0], blk[1], k)
+        sample = blk[2][k]
+        return blk[0][k], (sample if x.size >= SAMPLE_SIZE else sample.narrow(0, 0, x.size))
+
+
+@functools.cache
+def _kernels():
+    from driftcheck import kernels  # numba: imported where it is used, once
+
+    return kernels
+
+
 def _large_stats(t: torch.Tensor) -> torch.Tensor:
     """One large host tensor in one compiled pass over its own dtype (float64 accumulation, no
     float64 copy). Any NaN/Inf shows in the sum or sum of squares, and then the masking float64
@@ -214,7 +265,7 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
 def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     dev, dtype = ts[0].device, ts[0].dtype
-    acc = _acc_dtype(dev)
+    acc = acc_dtype(dev)
     lengths = [t.numel() for t in ts]
     flat = torch.cat([t.detach().reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].detach().reshape(-1)
     samples: list[torch.Tensor | None] = [None] * len(ts)

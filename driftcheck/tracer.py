@@ -29,6 +29,7 @@ from driftcheck import stats as tstats
 from driftcheck.store import TraceWriter
 
 SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
+_NO_FP8 = [math.nan] * len(tstats.FP8_FIELDS)  # the fp8 columns of a row from HostSummaries
 
 
 # -- nested structures -----------------------------------------------------------------------
@@ -63,7 +64,13 @@ def _floating(t: torch.Tensor) -> bool:
 
 
 def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).replace("torch.", "")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _module_kind(m: nn.Module) -> tuple[str, int | None]:
@@ -87,11 +94,14 @@ def _is_leaf(m: nn.Module) -> bool:
     return not any(True for _ in m.children())
 
 
-def _magnitude_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def _magnitude_sq(m: nn.Module, x: torch.Tensor,
+                  weight_sq: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor | None:
     """mean over output elements of sum_i x_i^2 w_i^2: the squared rms of sqrt(|x|^2 @ |W|^2).
 
     The probabilistic scale of a dot product's rounding error (Higham & Mary 2019) is
     u * sqrt(sum_i (x_i w_i)^2); computed from column sums, it costs O(input + weight).
+    ``weight_sq`` caches a Linear's column sums of w^2 by weight (id -> (version, sums)): the
+    weights do not change between optimizer steps, and a module may be called many times.
     """
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or not isinstance(x, torch.Tensor) or not _floating(x):
@@ -101,10 +111,20 @@ def _magnitude_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     acc = torch.float32
     with torch.no_grad():
         if isinstance(m, nn.Linear) and x.shape[-1] == w.shape[1]:
-            sx = x.detach().to(acc).pow(2).reshape(-1, w.shape[1]).sum(0)  # (K,)
-            sw = w.detach().to(acc).pow(2).sum(0)  # (K,)
-            rows = max(x.numel() // w.shape[1], 1)
-            return (sx * sw).sum() / (rows * w.shape[0])
+            k = w.shape[1]
+            xs = x.detach().reshape(-1, k)
+            if xs.dtype != acc:
+                xs = xs.to(acc)
+            cached = weight_sq.get(id(w)) if weight_sq is not None else None
+            if cached is not None and cached[0] == w._version:
+                sw = cached[1]
+            else:
+                wd = w.detach() if w.dtype == acc else w.detach().to(acc)
+                sw = (wd * wd).sum(0)  # (K,)
+                if weight_sq is not None:
+                    weight_sq[id(w)] = (w._version, sw)
+            rows = max(x.numel() // k, 1)
+            return torch.dot((xs * xs).sum(0), sw) / (rows * w.shape[0])
         if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
             g = m.groups
             dims = [0] + list(range(2, x.dim()))
@@ -188,6 +208,7 @@ class Tracer:
         self._select_cache: dict[str, bool] = {}
         self.audit: Any = None  # a ViewAudit dispatch mode, when the view audit is on
         self.fp8_stats: list[dict[str, Any]] = []
+        self._host = tstats.HostSummaries(seed)
 
     @property
     def current_module(self) -> str:
@@ -257,6 +278,7 @@ class Tracer:
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
         self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
+        self._weight_sq: dict[int, tuple[int, torch.Tensor]] = {}
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Capture the step's loss (phase ``loss``)."""
@@ -373,7 +395,7 @@ class Tracer:
             dev_meta = None
             if kind in ("linear", "conv") and args and isinstance(args[0], torch.Tensor):
                 with self._quiet():
-                    mag = _magnitude_sq(module, args[0])
+                    mag = _magnitude_sq(module, args[0], self._weight_sq)
                 if mag is not None:
                     dev_meta = {"mag_sq": mag}
             if self._capturing("forward"):
@@ -507,12 +529,13 @@ class Tracer:
     def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
                  extra: dict[str, Any] | None = None, copy: bool = True,
                  dev_meta: dict[str, torch.Tensor] | None = None) -> None:
-        if hasattr(t, "placements") and hasattr(t, "to_local"):
+        # Runs ~10^2-10^3 times a step: the cost of this function is stats mode's overhead on a
+        # small model, hence plain tuples, cached names and no context managers on its fast path.
+        if type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local"):
             # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
             # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
             t = t.to_local()
-        key = fmt.Key(self.step_index, phase, module, call, slot)
-        skey = str(key)
+        skey = fmt.key_string(self.step_index, phase, module, call, slot)
         if skey in self._seen_keys:
             return  # the same tensor reached twice (e.g. an output hook fired twice)
         entry: dict[str, Any] = {
@@ -523,28 +546,40 @@ class Tracer:
         if extra:
             entry["meta"] = dict(extra)
         self._order += 1
-        summary = None
-        with torch.no_grad(), self._quiet():
-            data = t.detach()
-            if data.numel() >= tstats.BIG and not (self._full(module) or phase == "loss"):
-                # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
-                # than copy it for later; the copy would cost more than the summary.
-                row = self._known_summary(t)
-                if row is None:
-                    rows, samples = tstats.summarize([data], [skey], self.seed)
-                    row, sample = rows[0], samples[0]
-                    self._remember_summary(t, row)
-                else:  # the same tensor, unchanged, seen earlier this step: only the sample
-                    sample = tstats.sample_of(data, skey, self.seed)
-                summary, data = (row, sample), sample
-            elif copy:
-                data = data.clone()  # copy at hook time: later in-place ops must not leak in
+        data = t.detach()  # no autograd history: what follows records no graph
+        if self.audit is None:
+            summary, data = self._take(data, t, module, phase, skey, copy)
+        else:
+            with self.audit.paused():  # the tracer's own ops stay out of the view audit
+                summary, data = self._take(data, t, module, phase, skey, copy)
         self._pending.append(_Pending(entry, data, dev_meta, summary))
         self._pending_bytes += data.numel() * data.element_size()
         self._seen_keys.add(skey)
         if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes:
             self.flush()
 
+    def _take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
+              copy: bool) -> tuple[tuple | None, torch.Tensor]:
+        """(summary or None, what the pending capture holds) for detached ``data`` of ``t``."""
+        keep = phase == "loss" or self._full(module)  # the whole tensor goes to the trace
+        if not keep and tstats.HostSummaries.eligible(data):
+            got = self._host.take(data, skey)
+            if got is not None:
+                # Stats mode, a small host tensor: summarised now, only its sample is kept.
+                return got, got[1]
+        if not keep and data.numel() >= tstats.BIG:
+            # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
+            # than copy it for later; the copy would cost more than the summary.
+            row = self._known_summary(t)
+            if row is None:
+                rows, samples = tstats.summarize([data], [skey], self.seed)
+                row, sample = rows[0], samples[0]
+                self._remember_summary(t, row)
+            else:  # the same tensor, unchanged, seen earlier this step: only the sample
+                sample = tstats.sample_of(data, skey, self.seed)
+            return (row, sample), sample
+        # copy at hook time: later in-place ops must not leak in
+        return None, (data.clone() if copy else data)
 
     def flush(self) -> None:
         """Move pending captures to the host in one batched transfer and hand them to the writer."""
@@ -553,29 +588,42 @@ class Tracer:
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         with torch.no_grad(), self._quiet():
             fulls = [self._full(p.entry["module"]) or p.entry["phase"] == "loss" for p in pending]
-            # Stats of all captures and the samples of the non-full ones, a few kernels per dtype.
+            # Stats of all captures and the samples of the non-full ones, a few kernels per dtype,
+            # except those summarised in their hook (rows on the host or on the device).
             todo = [i for i, p in enumerate(pending) if p.summary is None]
             rows, got = tstats.summarize(
                 [pending[i].tensor for i in todo],
                 [None if fulls[i] else pending[i].entry["key"] for i in todo], self.seed)
             samples: list[torch.Tensor | None] = [p.summary[1] if p.summary else None for p in pending]
-            row_list = [p.summary[0] if p.summary else None for p in pending]
             for j, i in enumerate(todo):
-                row_list[i], samples[i] = rows[j], got[j]
-            first = row_list[0]
-            stat_rows = torch.stack([r.to(device=first.device, dtype=first.dtype) for r in row_list])
+                samples[i] = got[j]
+            stat_lists: list[list[float] | None] = [None] * len(pending)
+            on_device = []
+            for i, p in enumerate(pending):
+                if p.summary is not None:
+                    if isinstance(p.summary[0], torch.Tensor):
+                        on_device.append(i)
+                    else:  # a HostSummaries row: on the host already
+                        stat_lists[i] = p.summary[0].tolist() + _NO_FP8
+            if on_device:
+                like = rows if todo else pending[on_device[0]].summary[0]
+                extra = torch.stack([pending[i].summary[0].to(like) for i in on_device])
+                rows = torch.cat([rows, extra]) if todo else extra
+            order = todo + on_device
             metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
                      for k, v in p.dev_meta.items()]
-            meta_vals = torch.stack([v.to(stat_rows.dtype) for _, _, v in metas]) if metas else None
+            meta_vals = torch.stack([v.to(tstats.acc_dtype(v.device)) for _, _, v in metas]) \
+                if metas else None
             host_tensors = _to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
-            stat_rows = stat_rows.cpu().tolist()
+            for i, row in zip(order, rows.cpu().tolist() if order else []):
+                stat_lists[i] = row
             meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
         for (i, k, _), v in zip(metas, meta_host):
             if k == "mag_sq":
                 pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v, 0.0))
             else:
                 pending[i].entry.setdefault("meta", {})[k] = v
-        for p, row, full, host in zip(pending, stat_rows, fulls, host_tensors):
+        for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
             p.entry["stats"] = tstats.to_dict(row)
             if full:
                 self.writer.add(p.entry, host)

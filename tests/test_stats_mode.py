@@ -269,3 +269,69 @@ def test_complex_nan_and_inf_are_counted_on_the_complex_values():
     d = stats.to_dict(stats.stats_vector(z).tolist())
     assert (d["nan"], d["inf"], d["numel"]) == (2, 1, 4)
     assert d["max"] == pytest.approx(abs(complex(1.0, 2.0)))
+
+
+def _host_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    odd = torch.randn(700, generator=g)
+    odd[[5, 9]] = torch.tensor([float("nan"), float("inf")])
+    return [torch.randn(2, 16, 64, generator=g), torch.randn(64, generator=g),  # >= / < sample
+            torch.randn(8, 300, generator=g).t(),  # not contiguous
+            torch.randn(33, generator=g, dtype=torch.float64) * 1e3 + 1e6,  # |mean| >> std
+            odd, torch.full((3,), float("nan")), torch.tensor(2.5), torch.ones(1, 1)]
+
+
+def test_host_summaries_in_the_hook_equal_the_batched_summary_bit_for_bit():
+    """Stats mode summarises small host tensors in their capture hook (HostSummaries) instead
+    of copying them for summarize() at the end of the step: same rows, same samples, bitwise,
+    across more captures than a block holds."""
+    cases = _host_cases() * 40  # 320 captures: a second block of rows and samples
+    keys = [f"0/forward/m{i}/0/output" for i in range(len(cases))]
+    host = stats.HostSummaries(seed=7)
+    got = [host.take(t, k) for t, k in zip(cases, keys)]
+    want_rows, want_samples = stats.summarize(cases, keys, 7)
+    for t, (row, sample), want_row, want_sample in zip(cases, got, want_rows, want_samples):
+        assert stats.HostSummaries.eligible(t)
+        np.testing.assert_array_equal(row, want_row.numpy()[:len(stats.FIELDS)])
+        assert sample.dtype == t.dtype and sample.shape == want_sample.shape
+        assert sample.numpy().tobytes() == want_sample.numpy().tobytes()
+    assert not stats.HostSummaries.eligible(torch.zeros(0))  # zero-size: the general path
+    assert not stats.HostSummaries.eligible(torch.ones(3, dtype=torch.bfloat16))
+    assert not stats.HostSummaries.eligible(torch.ones(stats.BIG))
+
+
+def test_a_small_tensor_changed_in_place_after_its_capture_keeps_its_statistics(tmp_path):
+    # The hook summarises (or copies) at capture time: ReLU(inplace=True) after a Linear must
+    # not change what was recorded for the Linear's output.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(inplace=True))
+    x = torch.randn(5, 4)
+    want = model[0](x).detach()
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w, mode="stats").attach()
+        with torch.no_grad():
+            model(x)
+        tracer.step()
+        tracer.detach()
+        w.close({"steps": 1})
+    reader = TraceReader(tmp_path / "t")
+    e = next(e for e in reader.entries if (e["module"], e["phase"], e["slot"]) == ("0", "forward", "output"))
+    assert e["stats"]["min"] == pytest.approx(float(want.min())) and e["stats"]["min"] < 0
+    assert torch.equal(reader.tensor(e, "sample"), want.reshape(-1))
+
+
+def test_to_dict_nulls_exactly_the_non_finite_statistics():
+    finite = stats.to_dict([-1.0, 2.0, 0.5, 1.0, 2.0, 3.0, 0.0, 0.0, 4.0, math.nan, math.nan])
+    assert finite == {"min": -1.0, "max": 2.0, "mean": 0.5, "std": 1.0, "absmax": 2.0, "l2": 3.0,
+                      "nan": 0, "inf": 0, "numel": 4}
+    assert all(type(finite[k]) is int for k in ("nan", "inf", "numel"))
+    empty = stats.to_dict([math.nan] * 5 + [0.0, 2.0, 1.0, 3.0, 1.0, 0.0])
+    assert empty == {"min": None, "max": None, "mean": None, "std": None, "absmax": None,
+                     "l2": 0.0, "nan": 2, "inf": 1, "numel": 3, "fp8_underflow": 1,
+                     "fp8_overflow": 0}
+    huge = stats.to_dict([-1e308, 1e308, 0.0, 1e308, 1e308, math.inf, 0.0, 0.0, 2.0])
+    assert huge["min"] == -1e308 and huge["max"] == 1e308 and huge["l2"] is None
+    for col in range(6):  # any one statistic non-finite: that one alone is null
+        vec = [-1.0, 2.0, 0.5, 1.0, 2.0, 3.0, 0.0, 0.0, 4.0]
+        vec[col] = math.inf
+        d = stats.to_dict(vec)
+        assert [d[k] is None for k in stats.FIELDS[:6]] == [i == col for i in range(6)]

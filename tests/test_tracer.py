@@ -269,3 +269,20 @@ def test_library_api_trace_context_manager(tmp_path):
     rep = compare(a, b)
     assert rep.verdict == "pass", rep.decided_by
     assert max(e.metrics.get("rel_l2", 0) for e in rep.entries) > 1e-3
+
+
+def test_the_magnitude_cache_follows_in_place_weight_updates():
+    from driftcheck.tracer import _magnitude_sq
+
+    lin = torch.nn.Linear(6, 3)
+    x = torch.randn(4, 6)
+    cache: dict = {}
+    first = _magnitude_sq(lin, x, cache)
+    assert torch.allclose(first, _magnitude_sq(lin, x), rtol=1e-6)
+    assert _magnitude_sq(lin, x, cache) is not first and len(cache) == 1
+    with torch.no_grad():
+        lin.weight.mul_(3.0)  # an optimizer step: the version counter moves
+    again = _magnitude_sq(lin, x, cache)
+    assert torch.allclose(again, 9 * first, rtol=1e-5)
+    want = ((x**2) @ (lin.weight.detach()**2).t()).mean()
+    assert torch.allclose(again, want, rtol=1e-5)
