@@ -6,7 +6,9 @@ Runs the same training steps (same weights, inputs, optimizer) untraced and trac
 writing the trace to a temporary directory on the same disk, and prints the ratio. The traced
 time includes finishing the trace (every shard on disk, the manifest written).
 Targets: stats <= 1.5x; full <= 3x on the ~16M model. The "no-op hooks" row (hooks on every
-module and output gradient that do nothing) is the floor of any eager-hook tracer.
+module and output gradient that do nothing) is the floor of any eager-hook tracer; the
+"copy-only hooks" row (the same hooks keeping one copy of every tensor a trace captures, and
+nothing else) is the floor of one that records what it saw.
 """
 from __future__ import annotations
 
@@ -44,14 +46,50 @@ def _noop_hooks(model: torch.nn.Module) -> list:
     return handles
 
 
+def _copy_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list:
+    """The least an eager-hook tracer that keeps what it saw does: the no-op hooks plus one
+    copy of every tensor it would capture (module inputs and outputs, output gradients,
+    parameters, parameter gradients and optimizer state after the step), kept to the end.
+    No names, statistics, samples or files: a floor for any mode, stats included."""
+    kept: list[torch.Tensor] = []
+
+    def keep(t):
+        if isinstance(t, torch.Tensor):
+            kept.append(t.detach().clone())
+
+    def pre(mod, args, kwargs):
+        for t in args:
+            keep(t)
+
+    def post(mod, args, kwargs, out):
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            keep(t)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(keep)
+
+    def after_step(o, args, kwargs):
+        for group in o.param_groups:
+            for p in group["params"]:
+                keep(p)
+                keep(p.grad)
+                for v in o.state[p].values():
+                    keep(v)
+
+    handles = [opt.register_step_post_hook(after_step)]
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
 def run_once(sc, model0, mode: dict | None, out: Path) -> tuple[float, int]:
     """Seconds for all steps (plus closing the trace), and the trace's size in bytes."""
     model = c.fresh(model0)
     opt = sc.optimizer(model.parameters())
     batches = [sc.batch(i) for i in range(sc.steps)]
     t0 = time.perf_counter()
-    if mode == "hooks":
-        handles = _noop_hooks(model)
+    if mode in ("hooks", "copies"):
+        handles = _noop_hooks(model) if mode == "hooks" else _copy_hooks(model, opt)
         train(model, batches, sc, opt, device=torch.device("cpu"), dtype=torch.float32,
               dropout=DropoutControl(0))
         for h in handles:
@@ -85,11 +123,12 @@ def main() -> None:
             # Interleaved and min-of-repeats: a shared host's load drifts during the run.
             best: dict = {}
             for _ in range(repeats):
-                for name, mode in [("untraced", None), ("no-op hooks", "hooks"), *MODES.items()]:
+                for name, mode in [("untraced", None), ("no-op hooks", "hooks"),
+                                   ("copy-only hooks", "copies"), *MODES.items()]:
                     dt, size_b = run_once(sc, model0, mode, tmp / name)
                     best[name] = min(best.get(name, (dt, size_b)), (dt, size_b))
             base = best["untraced"][0]
-            for name in ["no-op hooks", *MODES]:
+            for name in ["no-op hooks", "copy-only hooks", *MODES]:
                 dt, size_b = best[name]
                 ratio = dt / base
                 target = {"stats": 1.5, "full": 3.0 if size == "16m" else None}.get(name)

@@ -208,26 +208,23 @@ class HostSummaries:
     def eligible(t: torch.Tensor) -> bool:
         return t.is_cpu and t.dtype in _HOST_DTYPES and 0 < t.numel() < BIG
 
-    def take(self, t: torch.Tensor, key: str) -> tuple[np.ndarray, torch.Tensor] | None:
-        """(stats row without the fp8 columns, sample tensor) of an ``eligible`` tensor without
-        autograd history, or None where it has no numpy view: the caller copies it instead."""
+    def take(self, t: torch.Tensor, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(stats row without the fp8 columns, sample) of an ``eligible`` tensor without autograd
+        history, as numpy views into the blocks (``torch.from_numpy`` of the sample is what the
+        trace stores), or None where it has no numpy view: the caller copies it instead."""
         try:
             x = t.numpy().reshape(-1)  # a copy only when t is not contiguous
         except (RuntimeError, TypeError):
             return None
         blk = self._blocks.get(x.dtype)
-        if blk is None or blk[3] == self.BLOCK:
-            samples = np.empty((self.BLOCK, SAMPLE_SIZE), dtype=x.dtype)
-            # the sample tensors, made in one call: indexing a tensor per capture costs more
-            blk = [np.empty((self.BLOCK, len(FIELDS))), samples,
-                   torch.from_numpy(samples).unbind(0), 0]
+        if blk is None or blk[2] == self.BLOCK:
+            blk = [np.empty((self.BLOCK, len(FIELDS))),
+                   np.empty((self.BLOCK, SAMPLE_SIZE), dtype=x.dtype), 0]
             self._blocks[x.dtype] = blk
-        k = blk[3]
-        blk[3] = k + 1
-        kernels = _kernels()
-        kernels.summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[0], blk[1], k)
-        sample = blk[2][k]
-        return blk[0][k], (sample if x.size >= SAMPLE_SIZE else sample.narrow(0, 0, x.size))
+        k = blk[2]
+        blk[2] = k + 1
+        _kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[0], blk[1], k)
+        return blk[0][k], blk[1][k, :min(x.size, SAMPLE_SIZE)]
 
 
 @functools.cache

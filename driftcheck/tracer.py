@@ -30,6 +30,7 @@ from driftcheck.store import TraceWriter
 
 SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
 _NO_FP8 = [math.nan] * len(tstats.FP8_FIELDS)  # the fp8 columns of a row from HostSummaries
+_SELECTED_BY = {"params": "forward", "loss": "forward"}  # phases --phases does not name
 
 
 # -- nested structures -----------------------------------------------------------------------
@@ -88,6 +89,17 @@ def _module_kind(m: nn.Module) -> tuple[str, int | None]:
     if not any(True for _ in m.children()):
         return "elementwise", None
     return "composite", None
+
+
+def _static_meta(m: nn.Module) -> dict[str, Any]:
+    """The part of a forward entry's meta that depends on the module alone."""
+    kind, k = _module_kind(m)
+    meta: dict[str, Any] = {"module_type": type(m).__name__, "kind": kind}
+    if k is not None:
+        meta["k"] = k
+    if kind == "conv":
+        meta["kernel"] = math.prod(m.kernel_size)
+    return meta
 
 
 def _is_leaf(m: nn.Module) -> bool:
@@ -209,6 +221,7 @@ class Tracer:
         self.audit: Any = None  # a ViewAudit dispatch mode, when the view audit is on
         self.fp8_stats: list[dict[str, Any]] = []
         self._host = tstats.HostSummaries(seed)
+        self._static: dict[str, dict[str, Any]] = {}  # module path -> _static_meta
 
     @property
     def current_module(self) -> str:
@@ -231,10 +244,9 @@ class Tracer:
     def _capturing(self, phase: str) -> bool:
         if self.steps is not None and self.step_index not in self.steps:
             return False
-        sel = {"params": "forward", "loss": "forward"}.get(phase, phase)
         if phase == "params":
             return bool(self.phases & {"forward", "optimizer"})
-        return sel in self.phases
+        return _SELECTED_BY.get(phase, phase) in self.phases
 
     def _full(self, module: str) -> bool:
         if self.mode == "full":
@@ -359,7 +371,7 @@ class Tracer:
             if self._capturing("forward"):
                 for slot, t in inputs:
                     self._capture(name, "forward", call, slot, t, extra=ctx)
-            if self.audits:
+            if self.audits and isinstance(module, nn.modules.batchnorm._NormBase):
                 from driftcheck.audit import batchnorm as bn_audit
                 if bn_audit.is_tracked_norm(module) and inputs:
                     with self._quiet():
@@ -384,13 +396,12 @@ class Tracer:
             if not self._selected(name):
                 return
             parent = self._stack[-1] if self._stack else None
-            kind, k = _module_kind(module)
-            ctx: dict[str, Any] = {"parent": f"{parent[0]}#{parent[1]}" if parent else None,
-                                   "module_type": type(module).__name__, "kind": kind}
-            if k is not None:
-                ctx["k"] = k
-            if kind == "conv":
-                ctx["kernel"] = math.prod(module.kernel_size)
+            static = self._static.get(name)
+            if static is None:  # what the module is does not change between calls
+                static = self._static[name] = _static_meta(module)
+            ctx: dict[str, Any] = {"parent": f"{parent[0]}#{parent[1]}" if parent else None}
+            ctx.update(static)
+            kind = static["kind"]
             outputs = list(flatten(output, "output"))
             dev_meta = None
             if kind in ("linear", "conv") and args and isinstance(args[0], torch.Tensor):
@@ -566,7 +577,8 @@ class Tracer:
             got = self._host.take(data, skey)
             if got is not None:
                 # Stats mode, a small host tensor: summarised now, only its sample is kept.
-                return got, got[1]
+                sample = torch.from_numpy(got[1])
+                return (got[0], sample), sample
         if not keep and data.numel() >= tstats.BIG:
             # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
             # than copy it for later; the copy would cost more than the summary.

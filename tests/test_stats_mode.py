@@ -293,6 +293,7 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary_bit_for_bit():
     for t, (row, sample), want_row, want_sample in zip(cases, got, want_rows, want_samples):
         assert stats.HostSummaries.eligible(t)
         np.testing.assert_array_equal(row, want_row.numpy()[:len(stats.FIELDS)])
+        sample = torch.from_numpy(sample)
         assert sample.dtype == t.dtype and sample.shape == want_sample.shape
         assert sample.numpy().tobytes() == want_sample.numpy().tobytes()
     assert not stats.HostSummaries.eligible(torch.zeros(0))  # zero-size: the general path
