@@ -291,6 +291,8 @@ class Tracer:
         self._start_seq: dict[tuple[str, int], int] = {}
         self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
         self._weight_sq: dict[int, tuple[int, torch.Tensor]] = {}
+        # id(output node) -> (start sequence number, the node, exit edges) of this step's calls
+        self._exits: dict[int, tuple[int, Any, list[tuple[Any, int, Any, int]]]] = {}
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Capture the step's loss (phase ``loss``)."""
@@ -463,28 +465,50 @@ class Tracer:
             if node is not None:
                 targets[(id(node), nr)] = slot
         leaf_targets = {id(t): slot for slot, t, node, _ in inputs if node is None}
-        # Walk the nodes created during this call; collect edges into the inputs' nodes.
+        # Walk the nodes created during this call; collect edges into the inputs' nodes. A
+        # child call's subgraph is not walked again: from its single output node, its exits
+        # (the edges leaving its subgraph, recorded by its own walk) stand for it.
         edges: dict[str, list[tuple[Any, int]]] = {}
+        edge_seen: set[tuple[int, int]] = set()
+        walked: list[tuple[Any, int, Any, int]] = []  # every edge looked at: exits are among them
+        expanded: set[int] = set()
         seen: set[int] = set()
-        stack = [t.grad_fn for _, t in outputs if t.requires_grad and t.grad_fn is not None]
+        roots = [t.grad_fn for _, t in outputs if t.requires_grad and t.grad_fn is not None]
+        stack = list(roots)
+
+        def follow(src: Any, i: int, nxt: Any, nr: int) -> None:
+            walked.append((src, i, nxt, nr))
+            slot = targets.get((id(nxt), nr))
+            if slot is None and leaf_targets and type(nxt).__name__ == "AccumulateGrad":
+                slot = leaf_targets.get(id(getattr(nxt, "variable", None)))
+            if slot is None:
+                stack.append(nxt)
+            elif (id(src), i) not in edge_seen:  # reached twice (a child's exits and a walk)
+                edge_seen.add((id(src), i))
+                edges.setdefault(slot, []).append((src, i))
+
         while stack:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
+            child = self._exits.get(id(node))
+            if child is not None and child[0] >= start:
+                for edge in child[2]:
+                    follow(*edge)
+                continue
             seq = node._sequence_nr()
             if seq < start or seq == 2**64 - 1:
                 continue
+            expanded.add(id(node))
             for i, (nxt, nr) in enumerate(node.next_functions):
-                if nxt is None:
-                    continue
-                slot = targets.get((id(nxt), nr))
-                if slot is None and type(nxt).__name__ == "AccumulateGrad" and leaf_targets:
-                    slot = leaf_targets.get(id(getattr(nxt, "variable", None)))
-                if slot is not None:
-                    edges.setdefault(slot, []).append((node, i))
-                else:
-                    stack.append(nxt)
+                if nxt is not None:
+                    follow(node, i, nxt, nr)
+        # For the enclosing calls' walks: only a single output node made by this call (an
+        # Identity's output node is its input's, made before the call: not this call's to stand for).
+        if len({id(r) for r in roots}) == 1 and id(roots[0]) in expanded:
+            self._exits[id(roots[0])] = (start, roots[0], [
+                e for e in walked if id(e[2]) not in expanded])
         for slot, edge_list in edges.items():
             acc = _GradAccumulator(self, name, call, "grad_" + slot, len(edge_list), bctx)
             by_node: dict[int, list[int]] = {}
