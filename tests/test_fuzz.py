@@ -47,7 +47,10 @@ def traces(tmp_path_factory) -> dict[str, Path]:
     scen = write_scenarios(root)
     ref = record_trace(scen, "build", root / "ref", steps=1)
     tgt = record_trace(scen, "build", root / "tgt", dtype="bf16", replay=ref)
-    return {"ref": ref, "tgt": tgt}
+    # stats mode: entries with samples and statistics only, compared on those
+    ref_s = record_trace(scen, "build", root / "ref_stats", steps=1, mode="stats")
+    tgt_s = record_trace(scen, "build", root / "tgt_stats", dtype="bf16", replay=ref, mode="stats")
+    return {"ref": ref, "tgt": tgt, "ref_stats": ref_s, "tgt_stats": tgt_s}
 
 
 def _read_everything(path: Path) -> None:
@@ -109,10 +112,12 @@ def _set(obj: Any, path: tuple, value: Any, delete: bool) -> Any:
     return obj
 
 
+@pytest.mark.parametrize("mode", ["full", "stats"])
 @settings(FUZZ, max_examples=60)
 @given(data=st.data())
-def test_mutated_manifest_reads_and_compares_or_is_a_user_error(traces, data):
-    manifest = json.loads((traces["tgt"] / "manifest.json").read_text())
+def test_mutated_manifest_reads_and_compares_or_is_a_user_error(traces, mode, data):
+    sfx = "_stats" if mode == "stats" else ""
+    manifest = json.loads((traces["tgt" + sfx] / "manifest.json").read_text())
     path = data.draw(st.sampled_from(_paths(manifest)), label="path")
     value = data.draw(st.one_of(json_values, st.sampled_from(
         [-1, 0, 2**62, 1.5, float("nan"), "shard-00000.safetensors", "../x", "/etc/passwd", [],
@@ -121,12 +126,12 @@ def test_mutated_manifest_reads_and_compares_or_is_a_user_error(traces, data):
     mutated = _set(manifest, path, value, delete)
     with tempfile.TemporaryDirectory() as d:
         copy = Path(d) / "t"
-        shutil.copytree(traces["tgt"], copy)
+        shutil.copytree(traces["tgt" + sfx], copy)
         (copy / "manifest.json").write_text(json.dumps(mutated))
         if isinstance(_must_work_or_be_a_user_error(_read_everything, copy), DriftcheckError):
             event("refused by the reader")
             return
-        result = _must_work_or_be_a_user_error(compare, traces["ref"], copy)
+        result = _must_work_or_be_a_user_error(compare, traces["ref" + sfx], copy)
         event(f"compare: {type(result).__name__}")
         if isinstance(result, Report):
             json.dumps(result.to_dict(), allow_nan=False)  # the report is always strict JSON
@@ -197,12 +202,14 @@ edits = st.one_of(
 )
 
 
+@pytest.mark.parametrize("mode", ["full", "stats"])
 @settings(FUZZ, max_examples=80)
 @given(ops=st.lists(edits, min_size=1, max_size=3), fix_size=st.booleans())
-def test_corrupted_shard_bytes_are_caught(traces, ops, fix_size):
+def test_corrupted_shard_bytes_are_caught(traces, mode, ops, fix_size):
+    sfx = "_stats" if mode == "stats" else ""
     with tempfile.TemporaryDirectory() as d:
         copy = Path(d) / "t"
-        shutil.copytree(traces["tgt"], copy)
+        shutil.copytree(traces["tgt" + sfx], copy)
         shard = copy / "shard-00000.safetensors"
         data = bytearray(shard.read_bytes())
         for op, a, b in ops:
@@ -221,6 +228,10 @@ def test_corrupted_shard_bytes_are_caught(traces, ops, fix_size):
             (copy / "manifest.json").write_text(json.dumps(m))
         result = _must_work_or_be_a_user_error(_read_everything, copy)
         event("refused" if isinstance(result, DriftcheckError) else "read")
+        if not isinstance(result, DriftcheckError):  # flipped data bytes: compare still works
+            report = _must_work_or_be_a_user_error(compare, traces["ref" + sfx], copy)
+            if isinstance(report, Report):
+                json.dumps(report.to_dict(), allow_nan=False)
 
 
 def test_declared_size_is_checked_before_anything_is_allocated(traces, tmp_path):
