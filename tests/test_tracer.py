@@ -104,6 +104,13 @@ def test_module_called_twice_gets_call_indices(tmp_path):
     assert e[(0, "forward", "shared", 1, "input.0")]["order"] > e[(0, "forward", "shared", 0, "output")]["order"]
 
 
+def _record_sum_loss(m: nn.Module, x: torch.Tensor, out, model_id: str) -> tuple[TraceReader, dict]:
+    """Record ``m`` trained on ``x`` with loss = sum of the output; the reader and its entries."""
+    record(_scenario(m, x, loss=lambda y, b: y.sum()), out, model_id=model_id)
+    r = TraceReader(out)
+    return r, _by_key(r)
+
+
 def test_grad_input_is_the_modules_own_contribution(tmp_path):
     """x feeds two branches; each branch's grad_input is its part, not the sum."""
 
@@ -121,9 +128,7 @@ def test_grad_input_is_the_modules_own_contribution(tmp_path):
     torch.manual_seed(0)
     m = Branches()
     x = torch.randn(2, 3)
-    record(_scenario(m, x, loss=lambda out, b: out.sum()), tmp_path / "t", model_id="br")
-    r = TraceReader(tmp_path / "t")
-    e = _by_key(r)
+    r, e = _record_sum_loss(m, x, tmp_path / "t", "br")
     ga = r.tensor(e[(0, "backward", "a", 0, "grad_input.0")])
     gb = r.tensor(e[(0, "backward", "b", 0, "grad_input.0")])
     w_a = r.tensor(e[(0, "params", "a", 0, "param.weight")])
@@ -325,9 +330,7 @@ def test_grad_input_of_nested_composites_is_their_own_contribution(tmp_path):
     torch.manual_seed(0)
     m = _Outer()
     x = torch.randn(4, 6)
-    record(_scenario(m, x, loss=lambda out, b: out.sum()), tmp_path / "t", model_id="deep")
-    r = TraceReader(tmp_path / "t")
-    e = _by_key(r)
+    r, e = _record_sum_loss(m, x, tmp_path / "t", "deep")
     with_grad_input = {k[2] for k in e if k[0] == 0 and k[1] == "backward" and k[4] == "grad_input.0"}
     # every call whose input needs a gradient and that computes with it ("pre"'s input is the
     # data; the ModuleList is never called; an Identity makes no autograd node of its own)
