@@ -224,7 +224,11 @@ class HostSummaries:
         k = blk[2]
         blk[2] = k + 1
         _kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[0], blk[1], k)
-        return blk[0][k], blk[1][k, :min(x.size, SAMPLE_SIZE)]
+        if x.size >= SAMPLE_SIZE:
+            return blk[0][k], blk[1][k]
+        # A short sample is copied out: a view would pin the whole block (up to 512x its own
+        # bytes) in the writer's queue, whose memory bound counts the sample's bytes.
+        return blk[0][k], blk[1][k, :x.size].copy()
 
 
 @functools.cache

@@ -296,6 +296,8 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary_bit_for_bit():
         sample = torch.from_numpy(sample)
         assert sample.dtype == t.dtype and sample.shape == want_sample.shape
         assert sample.numpy().tobytes() == want_sample.numpy().tobytes()
+    for t, (_, sample) in zip(cases, got):  # a short sample owns its bytes (no pinned block)
+        assert (sample.base is None) == (t.numel() < stats.SAMPLE_SIZE)
     assert not stats.HostSummaries.eligible(torch.zeros(0))  # zero-size: the general path
     assert not stats.HostSummaries.eligible(torch.ones(3, dtype=torch.bfloat16))
     assert not stats.HostSummaries.eligible(torch.ones(stats.BIG))
