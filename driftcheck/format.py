@@ -10,7 +10,6 @@ dict before touching any shard.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -39,32 +38,15 @@ DTYPES = (
 FLOAT_DTYPES = frozenset(DTYPES[:8])
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class Key:
-    """The semantic address of one captured tensor. Never a global counter."""
-
-    step: int
-    phase: str
-    module: str
-    call: int
-    slot: str
-
-    def __str__(self) -> str:
-        return key_string(self.step, self.phase, self.module, self.call, self.slot)
-
-    @property
-    def align(self) -> tuple[int, str, str, int, str]:
-        return (self.step, self.phase, self.module, self.call, self.slot)
-
-
 def key_string(step: int, phase: str, module: str, call: int, slot: str) -> str:
-    """``str(Key(...))`` without building the Key. Human-readable and stable; the fields are
-    stored separately too, so the string never has to be parsed back."""
+    """An entry's ``key``: the semantic address of one captured tensor, never a global counter.
+    Human-readable and stable; the fields are stored separately too, so the string never has
+    to be parsed back."""
     return f"{step}/{phase}/{module or '.'}/{call}/{slot}"
 
 
 def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:
-    """``entry_key(entry).align`` without building the Key: what two runs' entries match on."""
+    """(step, phase, module, call, slot): what two runs' entries are matched on."""
     return (entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
 
 
@@ -76,10 +58,6 @@ _ENTRY_FIELDS: dict[str, type | tuple[type, ...]] = {
     "key": str, "module": str, "phase": str, "step": int, "call": int, "slot": str,
     "order": int, "shape": list, "dtype": str, "stats": dict,
 }
-
-
-def entry_key(entry: dict[str, Any]) -> Key:
-    return Key(entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
 
 
 def validate_manifest(m: Any) -> dict[str, Any]:
@@ -152,7 +130,7 @@ def validate_manifest(m: Any) -> dict[str, Any]:
         meta = e.get("meta")
         if meta is not None:
             _check_meta(i, meta)
-        k = (e["step"], e["phase"], e["module"], e["call"], e["slot"])
+        k = entry_align(e)
         if k in seen:
             raise FormatError(f"manifest entry {i} repeats key {e['key']!r}")
         seen.add(k)

@@ -418,16 +418,12 @@ def tensor_error(
     Example:
         tensor_error(ref_fp32, tgt_bf16)["max_ulp"]  # in bf16 ULPs
     """
-    _check_pair(ref, tgt, chunk_elems)
-    acc = ErrorAccumulator(
+    return _accumulate(ref, tgt, chunk_elems, ErrorAccumulator(
         ref.dtype if ref_dtype is None else ref_dtype,
         tgt.dtype if tgt_dtype is None else tgt_dtype,
         rtol=rtol,
         atol=atol,
-    )
-    for r, t in zip(_flat_chunks(ref, chunk_elems), _flat_chunks(tgt, chunk_elems)):
-        acc.update(r, t)
-    return acc.result()
+    )).result()
 
 
 def error_histogram(ref: torch.Tensor, tgt: torch.Tensor, max_bins: int = 40, *,
@@ -438,8 +434,13 @@ def error_histogram(ref: torch.Tensor, tgt: torch.Tensor, max_bins: int = 40, *,
     Example:
         h = error_histogram(ref, tgt)  # h.edges[0] == -24 * log10(2): errors from 2^-24 up
     """
+    return _accumulate(ref, tgt, chunk_elems, ErrorAccumulator(ref.dtype, tgt.dtype)).histogram(max_bins)
+
+
+def _accumulate(ref: torch.Tensor, tgt: torch.Tensor, chunk_elems: int,
+                acc: ErrorAccumulator) -> ErrorAccumulator:
+    """``acc`` fed every chunk pair of two in-memory tensors of the same shape."""
     _check_pair(ref, tgt, chunk_elems)
-    acc = ErrorAccumulator(ref.dtype, tgt.dtype)
     for r, t in zip(_flat_chunks(ref, chunk_elems), _flat_chunks(tgt, chunk_elems)):
         acc.update(r, t)
-    return acc.histogram(max_bins)
+    return acc

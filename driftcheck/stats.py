@@ -126,8 +126,7 @@ def _flat_sample_indices(keys: list[str], lengths: list[int], offsets: np.ndarra
     big = lengths_a > SAMPLE_SIZE
     out = np.empty((len(keys), SAMPLE_SIZE), dtype=np.int64)
     if big.any():
-        from driftcheck import kernels  # numba: imported where it is used
-
+        kernels = _kernels()
         shift = np.array([zlib.crc32(k.encode()) for k, b in zip(keys, big) if b]) / 2.0**32
         rows = np.empty((int(big.sum()), SAMPLE_SIZE), dtype=np.int64)
         kernels.sample_positions(_base_points(seed), shift, lengths_a[big], offsets[big], rows)
@@ -202,14 +201,14 @@ class HostSummaries:
 
     def __init__(self, seed: int) -> None:
         self.base = _base_points(seed)
-        self._blocks: dict[np.dtype, list] = {}  # dtype -> [rows, samples, as tensor, used]
+        self._blocks: dict[np.dtype, list] = {}  # dtype -> [rows, samples, used, stats columns]
 
     @staticmethod
     def eligible(t: torch.Tensor) -> bool:
         return t.is_cpu and t.dtype in _HOST_DTYPES and 0 < t.numel() < BIG
 
     def take(self, t: torch.Tensor, key: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """(stats row without the fp8 columns, sample) of an ``eligible`` tensor without autograd
+        """(stats row as ``summarize`` makes it, sample) of an ``eligible`` tensor without autograd
         history, as numpy views into the blocks (``torch.from_numpy`` of the sample is what the
         trace stores), or None where it has no numpy view: the caller copies it instead."""
         try:
@@ -218,12 +217,13 @@ class HostSummaries:
             return None
         blk = self._blocks.get(x.dtype)
         if blk is None or blk[2] == self.BLOCK:
-            blk = [np.empty((self.BLOCK, len(FIELDS))),
-                   np.empty((self.BLOCK, SAMPLE_SIZE), dtype=x.dtype), 0]
+            rows = np.full((self.BLOCK, len(COLUMNS)), np.nan)  # fp8 columns: NaN, not fp8
+            blk = [rows, np.empty((self.BLOCK, SAMPLE_SIZE), dtype=x.dtype), 0,
+                   rows[:, :len(FIELDS)]]
             self._blocks[x.dtype] = blk
         k = blk[2]
         blk[2] = k + 1
-        _kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[0], blk[1], k)
+        _kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[3], blk[1], k)
         if x.size >= SAMPLE_SIZE:
             return blk[0][k], blk[1][k]
         # A short sample is copied out: a view would pin the whole block (up to 512x its own
@@ -242,8 +242,7 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
     """One large host tensor in one compiled pass over its own dtype (float64 accumulation, no
     float64 copy). Any NaN/Inf shows in the sum or sum of squares, and then the masking float64
     path decides."""
-    from driftcheck import kernels  # numba: imported where it is used
-
+    kernels = _kernels()
     x = kernels.host_array(t)
     s, sq, mn, mx = kernels.dense_stats(x)
     if not all(math.isfinite(v) for v in (s, sq, mn, mx)):
@@ -281,8 +280,7 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
     if dev.type == "cpu" and dtype not in _FP8:
         # On the host: one compiled pass per tensor over the values as stored (widened in
         # registers), no float64 copy of the group and no masking passes.
-        from driftcheck import kernels  # numba: imported where it is used
-
+        kernels = _kernels()
         out = np.empty((len(ts), len(FIELDS)), dtype=np.float64)
         kernels.segment_stats(kernels.host_array(flat), np.asarray(lengths, dtype=np.int64), out)
         rows = torch.from_numpy(np.concatenate(

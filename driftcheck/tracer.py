@@ -26,10 +26,10 @@ from torch import nn
 
 from driftcheck import format as fmt
 from driftcheck import stats as tstats
+from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.store import TraceWriter
 
 SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
-_NO_FP8 = [math.nan] * len(tstats.FP8_FIELDS)  # the fp8 columns of a row from HostSummaries
 _SELECTED_BY = {"params": "forward", "loss": "forward"}  # phases --phases does not name
 
 
@@ -373,12 +373,10 @@ class Tracer:
             if self._capturing("forward"):
                 for slot, t in inputs:
                     self._capture(name, "forward", call, slot, t, extra=ctx)
-            if self.audits and isinstance(module, nn.modules.batchnorm._NormBase):
-                from driftcheck.audit import batchnorm as bn_audit
-                if bn_audit.is_tracked_norm(module) and inputs:
-                    with self._quiet():
-                        self._bn_before[(name, call)] = (bn_audit.snapshot(module),
-                                                         inputs[0][1].detach().clone())
+            if self.audits and bn_audit.is_tracked_norm(module) and inputs:
+                with self._quiet():
+                    self._bn_before[(name, call)] = (bn_audit.snapshot(module),
+                                                     inputs[0][1].detach().clone())
             if self._capturing("backward") and torch.is_grad_enabled():
                 # Remember each input's autograd node now: an in-place op inside the module
                 # (ReLU(inplace=True)) replaces the tensor's grad_fn during the call.
@@ -416,7 +414,6 @@ class Tracer:
                     self._capture(name, "forward", call, slot, t, extra=ctx,
                                   dev_meta=dev_meta if i == 0 else None)
             if (name, call) in self._bn_before:
-                from driftcheck.audit import batchnorm as bn_audit
                 before, x = self._bn_before.pop((name, call))
                 with self._quiet():
                     found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
@@ -640,7 +637,7 @@ class Tracer:
                     if isinstance(p.summary[0], torch.Tensor):
                         on_device.append(i)
                     else:  # a HostSummaries row: on the host already
-                        stat_lists[i] = p.summary[0].tolist() + _NO_FP8
+                        stat_lists[i] = p.summary[0].tolist()
             if on_device:
                 like = rows if todo else pending[on_device[0]].summary[0]
                 extra = torch.stack([pending[i].summary[0].to(like) for i in on_device])

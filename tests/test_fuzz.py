@@ -157,10 +157,10 @@ def _as_json_would_write(obj: Any) -> Any:
 
 
 def test_the_manifest_encoder_writes_what_json_would(traces):
-    """store.manifest_json (orjson) against the stdlib encoder it replaced, on a real manifest
+    """store.strict_json (orjson) against the stdlib encoder it replaced, on a real manifest
     with every field set to every awkward value an in-memory manifest may hold: the same data
     back (numpy scalars as numbers, where json wrote some as strings), or the same error."""
-    from driftcheck.store import manifest_json
+    from driftcheck.store import strict_json
 
     base = json.loads((traces["tgt"] / "manifest.json").read_text())
     stats_entry = next(i for i, e in enumerate(base["entries"]) if e.get("meta"))
@@ -174,10 +174,10 @@ def test_the_manifest_encoder_writes_what_json_would(traces):
                 expected = _as_json_would_write(m)
             except (TypeError, ValueError) as e:
                 with pytest.raises(type(e)):
-                    manifest_json(m)
+                    strict_json(m)
                 outcomes["error"] += 1
                 continue
-            got = json.loads(manifest_json(m))  # strict JSON: no NaN tokens
+            got = json.loads(strict_json(m))  # strict JSON: no NaN tokens
             if isinstance(value, np.generic):  # json called default (str) on most of them
                 expected = _set(expected, path, value.item(), False)
             assert got == expected, (path, value)
@@ -188,9 +188,9 @@ def test_the_manifest_encoder_writes_what_json_would(traces):
 @settings(FUZZ, max_examples=200)
 @given(value=json_values)
 def test_the_manifest_encoder_round_trips_any_json(value):
-    from driftcheck.store import manifest_json
+    from driftcheck.store import strict_json
 
-    assert json.loads(manifest_json(value)) == value
+    assert json.loads(strict_json(value)) == value
 
 
 # -- the shard reader ---------------------------------------------------------------------------

@@ -292,7 +292,7 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary_bit_for_bit():
     want_rows, want_samples = stats.summarize(cases, keys, 7)
     for t, (row, sample), want_row, want_sample in zip(cases, got, want_rows, want_samples):
         assert stats.HostSummaries.eligible(t)
-        np.testing.assert_array_equal(row, want_row.numpy()[:len(stats.FIELDS)])
+        np.testing.assert_array_equal(row, want_row.numpy())  # fp8 columns NaN in both
         sample = torch.from_numpy(sample)
         assert sample.dtype == t.dtype and sample.shape == want_sample.shape
         assert sample.numpy().tobytes() == want_sample.numpy().tobytes()

@@ -38,9 +38,7 @@ _SLACK = 4.0
 
 def is_tracked_norm(module: nn.Module) -> bool:
     """True for BatchNorm*/SyncBatchNorm/InstanceNorm* (and subclasses) that track running stats."""
-    from torch.nn.modules.batchnorm import _NormBase
-
-    return isinstance(module, _NormBase) and bool(module.track_running_stats)
+    return isinstance(module, nn.modules.batchnorm._NormBase) and bool(module.track_running_stats)
 
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor | None]:
