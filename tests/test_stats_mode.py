@@ -281,10 +281,13 @@ def _host_cases() -> list[torch.Tensor]:
             odd, torch.full((3,), float("nan")), torch.tensor(2.5), torch.ones(1, 1)]
 
 
-def test_host_summaries_in_the_hook_equal_the_batched_summary_bit_for_bit():
+def test_host_summaries_in_the_hook_equal_the_batched_summary():
     """Stats mode summarises small host tensors in their capture hook (HostSummaries) instead
-    of copying them for summarize() at the end of the step: same rows, same samples, bitwise,
-    across more captures than a block holds."""
+    of copying them for summarize() at the end of the step: the same samples bitwise, the same
+    counts, minima and maxima, and sums equal up to their association (the kernels let LLVM
+    reorder float64 sums, and the order it picks can differ between two compilations: with one
+    numba cache state the two paths differed in the last bit of one mean), across more captures
+    than a block holds."""
     cases = _host_cases() * 40  # 320 captures: a second block of rows and samples
     keys = [f"0/forward/m{i}/0/output" for i in range(len(cases))]
     host = stats.HostSummaries(seed=7)
@@ -292,7 +295,11 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary_bit_for_bit():
     want_rows, want_samples = stats.summarize(cases, keys, 7)
     for t, (row, sample), want_row, want_sample in zip(cases, got, want_rows, want_samples):
         assert stats.HostSummaries.eligible(t)
-        np.testing.assert_array_equal(row, want_row.numpy())  # fp8 columns NaN in both
+        want = want_row.numpy()  # fp8 columns NaN in both
+        exact = [stats.COLUMNS.index(c) for c in ("min", "max", "absmax", "nan", "inf", "numel",
+                                                   "fp8_underflow", "fp8_overflow")]
+        np.testing.assert_array_equal(row[exact], want[exact])
+        np.testing.assert_allclose(row, want, rtol=1e-14, atol=0)  # mean, std, l2
         sample = torch.from_numpy(sample)
         assert sample.dtype == t.dtype and sample.shape == want_sample.shape
         assert sample.numpy().tobytes() == want_sample.numpy().tobytes()
