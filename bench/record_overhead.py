@@ -8,10 +8,14 @@ time includes finishing the trace (every shard on disk, the manifest written).
 Targets: stats <= 1.5x; full <= 3x on the ~16M model. The "no-op hooks" row (hooks on every
 module and output gradient that do nothing) is the floor of any eager-hook tracer; the
 "copy-only hooks" row (the same hooks keeping one copy of every tensor a trace captures, and
-nothing else) is the floor of one that records what it saw.
+nothing else) is the floor of one that records what it saw; the "minimal trace" row (those
+copies plus one manifest entry per capture, and the manifest written with fsync at the end; no
+statistics, samples, input gradients, shards or validation) is the floor of one that also
+names what it recorded, i.e. of any trace a compare could align.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +24,7 @@ import torch
 
 from driftcheck.rng import DropoutControl
 from driftcheck.runner import run_metadata, train
-from driftcheck.store import TraceWriter
+from driftcheck.store import TraceWriter, strict_json
 from driftcheck.tracer import Tracer
 
 MODES = {"stats": dict(mode="stats"), "auto": dict(mode="auto", full_modules=["layers.0*"]),
@@ -46,34 +50,46 @@ def _noop_hooks(model: torch.nn.Module) -> list:
     return handles
 
 
-def _copy_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list:
+def _copy_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                entries: list | None = None) -> list:
     """The least an eager-hook tracer that keeps what it saw does: the no-op hooks plus one
     copy of every tensor it would capture (module inputs and outputs, output gradients,
     parameters, parameter gradients and optimizer state after the step), kept to the end.
-    No names, statistics, samples or files: a floor for any mode, stats included."""
-    kept: list[torch.Tensor] = []
+    No names, statistics, samples or files: a floor for any mode, stats included.
 
-    def keep(t):
+    With ``entries``: also one manifest entry per copy (key, module, phase, step, slot, order,
+    shape, dtype), the least a trace that names what it holds must build (see _minimal_trace)."""
+    kept: list[torch.Tensor] = []
+    names = {m: n for n, m in model.named_modules()}
+    step = [0]
+
+    def keep(t, module="", phase="forward", slot="tensor"):
         if isinstance(t, torch.Tensor):
             kept.append(t.detach().clone())
+            if entries is not None:
+                entries.append({"key": f"{step[0]}/{phase}/{module}/0/{slot}", "module": module,
+                                "phase": phase, "step": step[0], "call": 0, "slot": slot,
+                                "order": len(entries), "shape": list(t.shape),
+                                "dtype": str(t.dtype)})
 
     def pre(mod, args, kwargs):
-        for t in args:
-            keep(t)
+        for i, t in enumerate(args):
+            keep(t, names[mod], "forward", f"input.{i}")
 
     def post(mod, args, kwargs, out):
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            keep(t)
+        for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            keep(t, names[mod], "forward", f"output.{i}")
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(keep)
+                t.register_hook(lambda g, n=names[mod], i=i: keep(g, n, "backward", f"grad_output.{i}"))
 
     def after_step(o, args, kwargs):
         for group in o.param_groups:
-            for p in group["params"]:
-                keep(p)
-                keep(p.grad)
-                for v in o.state[p].values():
-                    keep(v)
+            for j, p in enumerate(group["params"]):
+                keep(p, f"p{j}", "optimizer", "param")
+                keep(p.grad, f"p{j}", "grads", "grad")
+                for k, v in o.state[p].items():
+                    keep(v, f"p{j}", "optimizer", f"state.{k}")
+        step[0] += 1
 
     handles = [opt.register_step_post_hook(after_step)]
     for m in model.modules():
@@ -82,18 +98,31 @@ def _copy_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list:
     return handles
 
 
+def _minimal_trace(entries: list, out: Path) -> None:
+    """The end of the least trace: its manifest (entries only) encoded and written with fsync,
+    as the real writer's last step does. No shards, statistics, samples or validation."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "manifest.json", "wb") as f:
+        f.write(strict_json({"entries": entries}))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run_once(sc, model0, mode: dict | None, out: Path) -> tuple[float, int]:
     """Seconds for all steps (plus closing the trace), and the trace's size in bytes."""
     model = c.fresh(model0)
     opt = sc.optimizer(model.parameters())
     batches = [sc.batch(i) for i in range(sc.steps)]
     t0 = time.perf_counter()
-    if mode in ("hooks", "copies"):
-        handles = _noop_hooks(model) if mode == "hooks" else _copy_hooks(model, opt)
+    if mode in ("hooks", "copies", "minimal"):
+        entries: list | None = [] if mode == "minimal" else None
+        handles = _noop_hooks(model) if mode == "hooks" else _copy_hooks(model, opt, entries)
         train(model, batches, sc, opt, device=torch.device("cpu"), dtype=torch.float32,
               dropout=DropoutControl(0))
         for h in handles:
             h.remove()
+        if entries is not None:
+            _minimal_trace(entries, out)
         return time.perf_counter() - t0, 0
     if mode is None:
         train(model, batches, sc, opt, device=torch.device("cpu"), dtype=torch.float32,
@@ -124,11 +153,12 @@ def main() -> None:
             best: dict = {}
             for _ in range(repeats):
                 for name, mode in [("untraced", None), ("no-op hooks", "hooks"),
-                                   ("copy-only hooks", "copies"), *MODES.items()]:
+                                   ("copy-only hooks", "copies"), ("minimal trace", "minimal"),
+                                   *MODES.items()]:
                     dt, size_b = run_once(sc, model0, mode, tmp / name)
                     best[name] = min(best.get(name, (dt, size_b)), (dt, size_b))
             base = best["untraced"][0]
-            for name in ["no-op hooks", "copy-only hooks", *MODES]:
+            for name in ["no-op hooks", "copy-only hooks", "minimal trace", *MODES]:
                 dt, size_b = best[name]
                 ratio = dt / base
                 target = {"stats": 1.5, "full": 3.0 if size == "16m" else None}.get(name)

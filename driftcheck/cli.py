@@ -6,6 +6,7 @@ CPU/CUDA reference never autoloads torch_tpu.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -457,7 +458,21 @@ def _one_line(text: str) -> str:
 
 # -- entry point --------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: maps errors to exit codes."""
+    """Console-script entry point: maps errors to exit codes.
+
+    No full (generation-2) garbage collections while a command runs; the young generations are
+    still collected as usual. Importing torch, numba and transformers leaves ~300k long-lived
+    objects and every full collection walks them all: ~1 s of a 60-step record or of a compare
+    of it (25% and 16%, same peak memory; docs/performance.md)."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(threshold[0], threshold[1], 1 << 30)
+    try:
+        _main(argv)
+    finally:
+        gc.set_threshold(*threshold)  # main() called in-process (tests) leaves it as it was
+
+
+def _main(argv: list[str] | None) -> None:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         cli.main(args=argv, prog_name="driftcheck", standalone_mode=False)

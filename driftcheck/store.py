@@ -104,6 +104,7 @@ class TraceWriter:
         self.entries: list[dict[str, Any]] = []
         self.shards: dict[str, int] = {}
         self._shard_index = 0
+        self._shard_name = fmt.shard_name(0)  # the shard being filled
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
         self._keys: set[tuple] = set()
@@ -132,18 +133,20 @@ class TraceWriter:
         self.entries.append(entry)
 
     def _stash(self, name: str, tensor: torch.Tensor) -> dict[str, str]:
-        t = tensor.detach()
-        if t.device.type != "cpu":
+        t = tensor.detach() if tensor.requires_grad else tensor
+        if not t.is_cpu:
             t = t.cpu()
-        t = t.contiguous()
-        _st_dtype(t.dtype, name)  # refuse an unstorable dtype now, not in the writer thread
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.dtype not in _ST_NAMES:
+            _st_dtype(t.dtype, name)  # refuse an unstorable dtype now, not in the writer thread
         nbytes = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
             self.flush()
         self._reserve(nbytes)
         self._pending.append((name, t))
         self._pending_bytes += nbytes
-        return {"shard": fmt.shard_name(self._shard_index), "name": name}
+        return {"shard": self._shard_name, "name": name}
 
     def _reserve(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit in the host-memory bound (backpressure on the caller)."""
@@ -160,16 +163,18 @@ class TraceWriter:
             self._held += nbytes
         self._raise_if_failed()
 
-    def flush(self) -> None:
-        """Hand the current shard to the writer (it is written in the background)."""
+    def flush(self, inline: bool = False) -> None:
+        """Hand the current shard to the writer (it is written in the background; ``inline``:
+        on this thread, now)."""
         self._raise_if_failed()
         if not self._pending:
             return
-        name = fmt.shard_name(self._shard_index)
+        name = self._shard_name
         job = (name, self._pending, self._pending_bytes)
         self._shard_index += 1
+        self._shard_name = fmt.shard_name(self._shard_index)
         self._pending, self._pending_bytes = [], 0
-        if not self.background:
+        if not self.background or inline:
             self._write_job(job)
             self._raise_if_failed()
             return
@@ -215,7 +220,9 @@ class TraceWriter:
 
     def drain(self) -> None:
         """Flush and wait until every shard handed over so far is on disk."""
-        self.flush()
+        # No shard went to the background yet (a stats-mode trace is often one small shard):
+        # the caller would only wait for it, so it is written here, without a thread to start.
+        self.flush(inline=self._thread is None)
         with self._cond:
             while (self._queue or self._held) and self._error is None:
                 self._cond.wait()

@@ -170,3 +170,28 @@ def test_quiet_and_no_color(traces):
     assert "\x1b[" in colored(), "control: a forced terminal gets colors"
     assert "\x1b[" not in colored("--no-color")
     assert "\x1b[" not in colored(NO_COLOR="1")
+
+
+def test_cli_runs_no_full_garbage_collections(tmp_path):
+    """A fresh process importing torch and numba for a record would walk its ~300k long-lived
+    objects in several full collections (~25% of a 60-step record); the CLI skips them, and
+    leaves the thresholds as it found them when called in-process."""
+    code = (
+        "import gc, sys\n"
+        "from driftcheck.cli import main\n"
+        "full = []\n"
+        "gc.callbacks.append(lambda phase, info: phase == 'stop' and info['generation'] == 2 "
+        "and full.append(1))\n"
+        "before = gc.get_threshold()\n"
+        "try:\n"
+        f"    main(['--quiet', 'record', 'llama', '--out', {str(tmp_path / 't')!r}, '--steps', '2',"
+        " '--mode', 'stats'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert gc.get_threshold() == before, (gc.get_threshold(), before)\n"
+        "print('full collections', len(full))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "full collections 0"
+    assert (tmp_path / "t" / "manifest.json").exists()
