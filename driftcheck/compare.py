@@ -45,7 +45,7 @@ def _align(e: dict[str, Any]) -> tuple:
 class _Index:
     """Structural lookups on the reference's entries (who depends on whom)."""
 
-    def __init__(self, entries: list[dict[str, Any]]) -> None:
+    def __init__(self, entries: list[dict[str, Any]], tied: list[dict[str, str]] | None = None) -> None:
         self.fwd_in: dict[tuple, list] = defaultdict(list)
         self.fwd_out: dict[tuple, list] = defaultdict(list)
         self.gout: dict[tuple, list] = defaultdict(list)
@@ -78,6 +78,19 @@ class _Index:
                 self.params[(s, m)].append(e)
             elif ph == "loss":
                 self.loss[s].append(e)
+        # Tied parameters: a module computes with its owner's captured parameter (so inherits
+        # its error), and the owner's gradient sums that module's contribution.
+        self.users: dict[tuple[str, str], list[str]] = defaultdict(list)
+        tied_in: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for t in tied or []:
+            self.users[(t["owner"], t["owner_param"])].append(t["module"])
+            tied_in[t["module"]].append((t["owner"], "param." + t["owner_param"]))
+        if tied_in:
+            for (s, m), calls in list(self.calls.items()):
+                for owner, slot in tied_in.get(m, ()):
+                    e = self.by_align.get((s, "params", owner, 0, slot))
+                    if e is not None and all(x is not e for x in self.params[(s, m)]):
+                        self.params[(s, m)].append(e)
 
     def parent_of(self, e: dict[str, Any]) -> tuple | None:
         parent = (e.get("meta") or {}).get("parent")
@@ -138,10 +151,12 @@ class _Index:
             deps += self.fwd_in.get(call, []) + self.fwd_out.get(call, []) + self.child_outputs(call)
             deps += self.params.get((s, m), [])
         elif ph == "grads":
-            for cc in self.calls.get((s, m), ()):
-                k = (s, m, cc)
-                deps += self.gout.get(k, []) + self.fwd_in.get(k, []) + self.fwd_out.get(k, [])
-                deps += self.child_gins(k)
+            leaf = slot.partition(".")[2]
+            for user in [m, *self.users.get((m, leaf), ())]:  # with the modules tied to it
+                for cc in self.calls.get((s, user), ()):
+                    k = (s, user, cc)
+                    deps += self.gout.get(k, []) + self.fwd_in.get(k, []) + self.fwd_out.get(k, [])
+                    deps += self.child_gins(k)
             deps += self.params.get((s, m), [])
         elif ph == "optimizer":
             leaf = slot.split(".", 2)[1] if slot.count(".") >= 1 else slot
@@ -657,7 +672,7 @@ class Comparison:
     def run(self) -> Report:
         self._check_runs()
         ref_entries = sorted(self.ref.entries, key=_order_key)
-        self.ref_index = _Index(ref_entries)
+        self.ref_index = _Index(ref_entries, self.ref.manifest.get("tied_params"))
         ref_map = {_align(e): e for e in ref_entries}
         # Local-replay captures (slot local.*) stand beside the entry they replay; they are not
         # aligned with the reference on their own.

@@ -191,7 +191,7 @@ def record_rank(scenario: Any, out: str | os.PathLike, *, parallel: str,
                            backend=backend,
                            capture={"include": list(include or []), "exclude": list(exclude or []),
                                     "phases": sorted(sel), "transfer": transfer})
-        writer.close(run, extra={"findings": tracer.findings})
+        writer.close(run, extra=tracer.manifest_extra())
     return out_dir
 
 

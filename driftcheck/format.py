@@ -50,6 +50,11 @@ def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:
     return (entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
 
 
+# A tied parameter: ``module`` holds ``param``, which ``owner`` owns as ``owner_param`` (where
+# it is captured); optional manifest field ``tied_params``, a list of these.
+TIED_FIELDS = ("module", "param", "owner", "owner_param")
+
+
 class FormatError(ValueError):
     """A manifest that does not follow this format."""
 
@@ -91,6 +96,11 @@ def validate_manifest(m: Any) -> dict[str, Any]:
                 or not (f.get("details") is None or isinstance(f["details"], dict)):
             raise FormatError(f"manifest finding {i} is malformed (kind, module, message must be "
                               "strings, step an integer or null)")
+    tied = m.get("tied_params")
+    if tied is not None and not (isinstance(tied, list) and all(
+            type(t) is dict and all(type(t.get(k)) is str for k in TIED_FIELDS) for t in tied)):
+        raise FormatError("manifest field 'tied_params' is not a list of objects with string "
+                          f"fields {', '.join(TIED_FIELDS)}")
     for shard, size in m["shards"].items():
         check_shard_name(shard)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:

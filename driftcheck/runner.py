@@ -269,7 +269,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                            local_of=str(local) if local is not None else None,
                            capture={"include": list(include or []), "exclude": list(exclude or []),
                                     "phases": sorted(sel_phases), "transfer": transfer})
-        extra: dict[str, Any] = {"findings": tracer.findings}
+        extra = tracer.manifest_extra()
         if tracer.fp8_stats:
             extra["fp8"] = tracer.fp8_stats
         if tracer.events:

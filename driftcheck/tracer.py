@@ -208,6 +208,14 @@ class Tracer:
         for name, p in model.named_parameters():
             mod, _, leaf = name.rpartition(".")
             self.param_owner[id(p)] = (mod, leaf, p)
+        # Parameters a module holds but another owns (tied embeddings and heads, shared weights):
+        # captured once, under the owner; compare needs to know who else computes with them.
+        self.tied_params = [
+            {"module": name, "param": leaf, "owner": self.param_owner[id(p)][0],
+             "owner_param": self.param_owner[id(p)][1]}
+            for module, name in self.names.items()
+            for leaf, p in module.named_parameters(recurse=False)
+            if id(p) in self.param_owner and self.param_owner[id(p)][:2] != (name, leaf)]
         self.step_index = 0
         self.findings: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -222,6 +230,14 @@ class Tracer:
         self.fp8_stats: list[dict[str, Any]] = []
         self._host = tstats.HostSummaries(seed)
         self._static: dict[str, dict[str, Any]] = {}  # module path -> _static_meta
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What the manifest records besides the entries: the run's findings, and the tied
+        parameters (module, param) -> (owner, owner_param), if any."""
+        extra: dict[str, Any] = {"findings": self.findings}
+        if self.tied_params:
+            extra["tied_params"] = self.tied_params
+        return extra
 
     @property
     def current_module(self) -> str:
@@ -740,7 +756,7 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         meta = run_metadata(model=model, device=_model_device(model), mode=mode,
                             steps=tracer.step_index)
         meta.update(run or {})
-        writer.close(meta, extra={"findings": tracer.findings})
+        writer.close(meta, extra=tracer.manifest_extra())
 
 
 def _model_device(model: nn.Module) -> torch.device:

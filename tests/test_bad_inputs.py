@@ -385,6 +385,10 @@ def _findings_bad(m: dict) -> None:
     m["findings"] = [{"kind": 3, "module": "fc1", "message": "x", "step": 0}]
 
 
+def _tied_bad(m: dict) -> None:
+    m["tied_params"] = [{"module": "head", "param": "weight", "owner": ["emb"], "owner_param": "weight"}]
+
+
 def _incomplete(d: Path) -> None:
     (d / "manifest.json").unlink()
     (d / "INCOMPLETE").write_text("record did not finish: KeyboardInterrupt: \n")
@@ -560,6 +564,8 @@ CASES = [
     Case("duplicate entry keys", mutate=_edit(_duplicate_entry), needle="repeats key",
          group="manifest"),
     Case("findings of the wrong type", mutate=_edit(_findings_bad), needle="finding 0 is malformed",
+         group="manifest"),
+    Case("tied parameters of the wrong type", mutate=_edit(_tied_bad), needle="'tied_params'",
          group="manifest"),
     Case("manifest that is a symlink", mutate=_symlink_manifest, needle="symbolic link",
          group="manifest"),
