@@ -147,6 +147,30 @@ def _magnitude_sq(m: nn.Module, x: torch.Tensor,
     return None
 
 
+# Modules whose gradient switches off where the input crosses zero: two runs' gradients differ
+# in full at the few elements whose input rounding carried across it, a sparse error a stats-mode
+# sample rarely holds. KINK_BINS + 1 counts of the input's magnitudes (kink_profile) let compare
+# estimate how many elements came that close to zero (compare._kink_estimate).
+KINK_MODULES = (nn.ReLU,)
+KINK_BINS = 40
+
+
+def _kink_profile(x: torch.Tensor) -> torch.Tensor:
+    """counts[k] = elements with |x| <= absmax * 2^-k (finite ones; k = 0..KINK_BINS, zeros in
+    every bin), on x's device: no sync."""
+    with torch.no_grad():
+        a = x.detach().reshape(-1).abs().float()
+        a = torch.where(torch.isfinite(a), a, torch.full_like(a, -1.0))  # -1: left out
+        m = a.max().clamp(min=torch.finfo(torch.float32).tiny) if a.numel() else a.new_ones(())
+        mant, exp = torch.frexp(a / m)  # a/m = mant * 2^exp, mant in [0.5, 1)
+        # k: the largest with a/m <= 2^-k (a/m in (2^-k-1, 2^-k])
+        k = (exp.neg() + (mant == 0.5).to(exp.dtype)).clamp(0, KINK_BINS)
+        k = torch.where(a == 0, KINK_BINS, k)
+        k = torch.where(a < 0, KINK_BINS + 1, k)
+        hist = torch.bincount(k.reshape(-1), minlength=KINK_BINS + 2)[:KINK_BINS + 1]
+        return hist.flip(0).cumsum(0).flip(0)  # counts[k] = elements in bins >= k
+
+
 class _Pending:
     __slots__ = ("entry", "tensor", "dev_meta", "summary")
 
@@ -387,8 +411,14 @@ class Tracer:
                 self.local.before_call(name, call)
             inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
             if self._capturing("forward"):
-                for slot, t in inputs:
-                    self._capture(name, "forward", call, slot, t, extra=ctx)
+                kink = type(module) in KINK_MODULES and not self._full(name) \
+                    and self._capturing("backward")
+                for i, (slot, t) in enumerate(inputs):
+                    dev_meta = None
+                    if kink and i == 0 and t.is_floating_point():
+                        with self._quiet():
+                            dev_meta = {"kink_profile": _kink_profile(t)}
+                    self._capture(name, "forward", call, slot, t, extra=ctx, dev_meta=dev_meta)
             if self.audits and bn_audit.is_tracked_norm(module) and inputs:
                 with self._quiet():
                     self._bn_before[(name, call)] = (bn_audit.snapshot(module),
@@ -661,17 +691,23 @@ class Tracer:
             order = todo + on_device
             metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
                      for k, v in p.dev_meta.items()]
-            meta_vals = torch.stack([v.to(tstats.acc_dtype(v.device)) for _, _, v in metas]) \
-                if metas else None
+            meta_vals = torch.cat([v.to(tstats.acc_dtype(v.device)).reshape(-1)
+                                   for _, _, v in metas]) if metas else None
             host_tensors = _to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
             for i, row in zip(order, rows.cpu().tolist() if order else []):
                 stat_lists[i] = row
             meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
-        for (i, k, _), v in zip(metas, meta_host):
+        at = 0
+        for i, k, dev in metas:
+            n = dev.numel()
+            v = meta_host[at:at + n]
+            at += n
             if k == "mag_sq":
-                pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v, 0.0))
+                pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
+            elif k == "kink_profile":
+                pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
             else:
-                pending[i].entry.setdefault("meta", {})[k] = v
+                pending[i].entry.setdefault("meta", {})[k] = v[0] if n == 1 else v
         for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
             p.entry["stats"] = tstats.to_dict(row)
             if full:
