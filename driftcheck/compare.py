@@ -513,6 +513,12 @@ class Comparison:
         if before is None:
             return 0.0, 0.0
         a, b = reader.tensor(r), reader.tensor(before)
+        if (a is None or b is None) and r["stats"].get("numel") == before["stats"].get("numel"):
+            # Stats mode: samples of a tensor no larger than a sample are the whole tensor, in
+            # order, whatever their keys: the update itself.
+            a, b = reader.tensor(r, "sample"), reader.tensor(before, "sample")
+            if a is not None and a.numel() != r["stats"].get("numel"):
+                a = None
         if a is None or b is None or a.shape != b.shape:
             d_rms = abs(_rms_of(r["stats"]) - _rms_of(before["stats"]))
             return d_rms, d_rms
