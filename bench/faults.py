@@ -10,8 +10,11 @@ module. Its *size* is measured independently of the judge: the faulty target min
 target at the injected entry (step 0; identical upstream, so exactly the perturbation), in units
 of that entry's clean floor. Controls (no fault, legitimate noise) must pass.
 
-    python bench/faults.py            # every model, every fault (a few minutes on 2 cores)
-    python bench/faults.py --quick    # a subset
+    python bench/faults.py                  # every model, every fault (a few minutes on 2 cores)
+    python bench/faults.py --quick          # a subset
+    python bench/faults.py --capture stats  # every run recorded in stats mode (no local
+                                            # replay or truth: they need full tensors; sizes
+                                            # measured on the samples)
 """
 from __future__ import annotations
 
@@ -77,8 +80,9 @@ class Case:
 
 class Bench:
     def __init__(self, work: Path, local: bool = True, truth: bool = True,
-                 limit: float | None = None) -> None:
+                 limit: float | None = None, capture: str = "full") -> None:
         self.work, self.local, self.truth, self.limit = work, local, truth, limit
+        self.capture = capture  # the record mode of every run
 
     def _record(self, model: str, out: Path, dtype: str, hooks: Callable | None = None,
                 threads: int | None = None, mode: Any = None, local: bool = True) -> Path:
@@ -89,7 +93,7 @@ class Bench:
         try:
             ctx = mode if mode is not None else _null()
             with ctx:
-                record(load_scenario(model), out, dtype=dtype, force=True,
+                record(load_scenario(model), out, dtype=dtype, force=True, mode=self.capture,
                        replay=None if out == ref else ref, target_hooks=hooks,
                        local=ref if (local and self.local and out != ref) else None)
         finally:
@@ -151,7 +155,9 @@ class Bench:
         fe = next((e for e in faulty.entries if (e["step"], e["phase"], e["module"], e["call"], e["slot"]) == key), None)
         if ce is None or fe is None or not self.clean_floor.get(key):
             return None
-        diff = faulty.tensor(fe).double() - clean.tensor(ce).double()
+        # Stats mode: the samples (the same positions on both runs: same key, same seed).
+        which = "tensor" if faulty.tensor(fe) is not None else "sample"
+        diff = faulty.tensor(fe, which).double() - clean.tensor(ce, which).double()
         if not torch.isfinite(diff).all():
             return math.inf
         return float(diff.pow(2).mean().sqrt()) / self.clean_floor[key]
@@ -202,10 +208,11 @@ def cases_for(bench: Bench, model: str, quick: bool) -> list[tuple[Case, dict[st
 
 def run(models: tuple[str, ...], quick: bool, work: Path, local: bool = True,
         truth: bool = True, limit: float | None = None,
-        log: Callable[[str], None] = print) -> list[Case]:
+        log: Callable[[str], None] = print, capture: str = "full") -> list[Case]:
     """Run the benchmark; returns every case (``summarize`` makes the table)."""
     torch.set_num_threads(2)
-    bench = Bench(work, local=local, truth=truth, limit=limit)
+    full = capture == "full"  # local replay and the truth judge need full tensors
+    bench = Bench(work, local=local and full, truth=truth and full, limit=limit, capture=capture)
     results: list[Case] = []
     for model in models:
         t0 = time.perf_counter()
@@ -291,13 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, default=None, help="ratio limit (default: the policy's)")
     ap.add_argument("--work", default=None, help="where traces go (default: a temporary directory)")
     ap.add_argument("--json", default=None, help="write every case as JSON here")
+    ap.add_argument("--capture", choices=("full", "stats"), default="full",
+                    help="record mode of every run (stats: without local replay and truth)")
     args = ap.parse_args(argv)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="driftcheck-bench-") as tmp:
         work = Path(args.work or tmp)
         results = run(models, args.quick, work, local=not args.no_local, truth=not args.no_truth,
-                      limit=args.limit)
+                      limit=args.limit, capture=args.capture)
     print()
     print(summarize(results))
     print(f"\n{len(results)} cases, {time.perf_counter() - t0:.0f} s total, "

@@ -444,6 +444,22 @@ class Comparison:
             return math.sqrt(g2 / numel)  # a bias (or a norm's per-channel parameter)
         return 0.0
 
+    def _grad_terms(self, r: dict) -> int | None:
+        """How many terms each element of a parameter gradient sums (K of its accumulation):
+        per call, the output gradient's elements per output channel (batch x positions for a
+        convolution, rows for a Linear), over every call. Two runs may sum them in different
+        orders (threads, kernels): fp32 against fp32 differs by ~sqrt(K) u there."""
+        s, _, m, _, slot = _align(r)
+        if not r["shape"]:
+            return None
+        terms = 0
+        for c in self.ref_index.calls.get((s, m), ()):
+            for e in self.ref_index.gout.get((s, m, c), [])[:1]:
+                # the output channel: dim 1 (convolutions, batch norm) or last (Linear, norms)
+                if len(e["shape"]) > 1 and r["shape"][0] in (e["shape"][1], e["shape"][-1]):
+                    terms += (e["stats"].get("numel") or 0) // r["shape"][0]
+        return terms or None
+
     def _kink_flips(self, r: dict, t: dict, m: dict[str, Any], floor_max: float,
                     which: str = "tensor") -> dict[str, Any]:
         """Gradients through ReLU-like kinks (relu, max-pool, clamp) switch on or off where the
@@ -611,7 +627,8 @@ class Comparison:
                     extra_max = max(extra_max, 2.0 * max(upd_max, t_max))
                     details["gradient_below_noise"] = rel_g
         tiny = max(_tiny(r["dtype"]), _tiny(t["dtype"]))
-        fi = fl.FloorInputs(u=u, u_acc=u_acc, k=meta.get("k"), scale_rms=scale_rms,
+        k = meta.get("k") or (self._grad_terms(r) if r["phase"] == "grads" else None)
+        fi = fl.FloorInputs(u=u, u_acc=u_acc, k=k, scale_rms=scale_rms,
                             scale_max=scale_max, inherited_rms=inh_rms, inherited_max=inh_max,
                             extra_rms=extra_rms, extra_max=extra_max, tiny=tiny)
         f = fl.floor(fi)
@@ -651,7 +668,7 @@ class Comparison:
         if local is not None:
             details["local"] = local
         details["floor"] = {"rms": f.rms, "max": f.max, "local_rms": f.local_rms,
-                            "inherited_rms": f.inherited_rms, "u": u, "k": meta.get("k"),
+                            "inherited_rms": f.inherited_rms, "u": u, "k": k,
                             "scale_rms": scale_rms, "inherited_rel": inh_rms}
         details["inherits_from"] = [d["key"] for d in deps][:8]
         if m.get("nonfinite_new", 0) > 0:

@@ -195,3 +195,27 @@ def test_tied_weights_carry_their_owners_error(traces):
     emb_grad = by_key["0/grads/tok_emb/0/param.weight"]
     assert "0/backward/lm_head/0/grad_output" in emb_grad.details["inherits_from"]
     assert rep.verdict == "pass"
+
+
+def test_parameter_gradients_allow_for_their_summation_order(tmp_path):
+    """A convolution's weight gradient sums batch x positions terms per element, in an order
+    that depends on the thread count: fp32 with 2 threads against 1 differs by ~10 u there,
+    and a floor without that accumulation failed a plain compare of the built-in ResNet at
+    ratio 8.9. K is the number of terms, sqrt(K) u_acc the allowance."""
+    from driftcheck.store import TraceReader
+
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ref = record_builtin("resnet", tmp_path / "ref")
+        torch.set_num_threads(1)
+        tgt = record_builtin("resnet", tmp_path / "tgt", replay=ref)
+    finally:
+        torch.set_num_threads(old)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.first_divergence
+    gout = next(e for e in TraceReader(ref).entries
+                if e["key"] == "0/backward/layer1.conv2/0/grad_output")
+    n, c, h, w = gout["shape"]
+    grad = next(e for e in rep.entries if e.key == "0/grads/layer1.conv2/0/param.weight")
+    assert grad.details["floor"]["k"] == n * h * w
