@@ -26,6 +26,8 @@ from driftcheck.report import (DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry,
 from driftcheck.store import TraceReader
 
 MATMUL_KINDS = ("linear", "conv", "composite")
+KINK_ZEROS = 0.1  # a ReLU-like gradient: this many zeros, as many as non-positive inputs (+-)
+KINK_NEAR = 16  # smallest sample magnitudes the density of a tensor near zero is taken from
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
@@ -92,6 +94,15 @@ class _Index:
                     if e is not None and all(x is not e for x in self.params[(s, m)]):
                         self.params[(s, m)].append(e)
 
+    def caller(self, s: int, module: str) -> str:
+        """``module``, or where it never ran as a module at step ``s`` (an ancestor used its
+        parameters itself: nn.MultiheadAttention calls F.linear with out_proj.weight), its
+        nearest ancestor that did."""
+        m = module
+        while m and not self.calls.get((s, m)):
+            m = m.rpartition(".")[0]
+        return m if self.calls.get((s, m)) else module
+
     def parent_of(self, e: dict[str, Any]) -> tuple | None:
         parent = (e.get("meta") or {}).get("parent")
         if parent is None:
@@ -153,6 +164,7 @@ class _Index:
         elif ph == "grads":
             leaf = slot.partition(".")[2]
             for user in [m, *self.users.get((m, leaf), ())]:  # with the modules tied to it
+                user = self.caller(s, user)
                 for cc in self.calls.get((s, user), ()):
                     k = (s, user, cc)
                     deps += self.gout.get(k, []) + self.fwd_in.get(k, []) + self.fwd_out.get(k, [])
@@ -482,7 +494,7 @@ class Comparison:
         out = mx.tensor_error(rt[keep], tt[keep], ref_dtype=r["dtype"], tgt_dtype=t["dtype"]) \
             if int(keep.sum()) else {"rms": 0.0, "max_abs": 0.0}
         s, _, mod, call, slot = _align(r)
-        in_slot = "input" + slot[len("grad_input"):]
+        in_slot = slot[len("grad_"):]  # grad_input.0 -> input.0, grad_output[.p] -> output[.p]
         xr_e = self.ref_index.by_align.get((s, "forward", mod, call, in_slot))
         xt_e = self.tgt_map.get((s, "forward", mod, call, in_slot))
         crossings = None
@@ -501,22 +513,49 @@ class Comparison:
                              "unexplained": n > allowed}
         return out
 
-    def _kink_estimate(self, r: dict) -> float | None:
-        """The relative rms error of a ReLU's input gradient from kink flips, estimated from its
-        forward input's ``kink_profile`` (stats mode). Flips are few and full-size (the gradient
-        on one side, zero on the other): a 512-element sample of a large tensor rarely holds
-        one, yet every gradient that sums over them (the previous layer's, the weights') carries
-        them. Elements within twice the input's rms error of zero may cross it; as a fraction p
-        of the input, their share of the gradient's rms is ~sqrt(p)."""
+    def _kink_estimate(self, r: dict, seen: dict[str, Any] | None = None) -> float | None:
+        """The relative rms error of a gradient from kink flips (stats mode). Flips are few and
+        full-size (the gradient on one side, zero on the other): a 512-element sample of a large
+        tensor rarely holds one, yet every gradient that sums over them (the previous layer's,
+        the weights') carries them. Elements within twice their rms error e of zero may cross
+        it; as a fraction p of the tensor, their share of the gradient's rms is ~sqrt(p).
+
+        p comes from the forward tensor's ``kink_profile`` (an nn.ReLU's input: every element).
+        Where a kink is applied by code around the module (F.relu, x.relu()), there is no
+        profile; the gradient's sample shows the kink (flips, or as many exact zeros as the
+        input has non-positive values), and p comes from the forward tensor's sample: the
+        crossings seen, or the density of |x| near zero (from the KINK_NEAR smallest
+        magnitudes, taken as flat below them, as for any smooth distribution) times 4e."""
         s, _, mod, call, slot = _align(r)
-        x = self.ref_index.by_align.get((s, "forward", mod, call, "input" + slot[len("grad_input"):]))
-        prof = ((x or {}).get("meta") or {}).get("kink_profile")
+        x = self.ref_index.by_align.get((s, "forward", mod, call, slot[len("grad_"):]))
         err = self.errors.get(_align(x)) if x is not None else None
-        absmax = (x or {}).get("stats", {}).get("absmax")
-        if not prof or err is None or not err.rms or not absmax or not prof[0]:
+        if err is None or not err.rms:
             return None
-        k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
-        return math.sqrt(prof[min(max(k, 0), len(prof) - 1)] / prof[0])
+        prof = (x.get("meta") or {}).get("kink_profile")
+        absmax = x["stats"].get("absmax")
+        if prof and prof[0] and absmax:
+            k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
+            return math.sqrt(prof[min(max(k, 0), len(prof) - 1)] / prof[0])
+        xt_e = self.tgt_map.get(_align(x))
+        xr = self.ref.tensor(x, "sample")
+        xt = self.tgt.tensor(xt_e, "sample") if xt_e is not None else None
+        if xr is None or xt is None or xr.shape != xt.shape or xr.numel() < 2 * KINK_NEAR:
+            return None
+        xr64, xt64 = xr.double().reshape(-1), xt.double().reshape(-1)
+        n = xr64.numel()
+        if not (seen and seen.get("count")):
+            # A ReLU's gradient is exactly zero where its input is <= 0: as many zeros in the
+            # gradient's sample as non-positive inputs in the input's (the two samples hold other
+            # positions, their fractions agree). Zeros for other reasons (ignored labels, masked
+            # attention) do not follow the input's sign.
+            g = self.ref.tensor(r, "sample")
+            zeros = float((g == 0).double().mean()) if g is not None and g.numel() else 0.0
+            if zeros < KINK_ZEROS or abs(zeros - float((xr64 <= 0).double().mean())) > KINK_ZEROS:
+                return None
+        close = (xr64.abs() <= 2 * (xt64 - xr64).abs()) | (torch.sign(xr64) != torch.sign(xt64))
+        near = float(xr64.abs().kthvalue(KINK_NEAR).values)
+        dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
+        return math.sqrt(max(int(close.sum()) / n, dens, (seen or {}).get("count", 0) / n))
 
     def _update_scale(self, r: dict, reader: TraceReader | None = None,
                       index: dict | None = None) -> tuple[float, float]:
@@ -632,8 +671,10 @@ class Comparison:
                             scale_max=scale_max, inherited_rms=inh_rms, inherited_max=inh_max,
                             extra_rms=extra_rms, extra_max=extra_max, tiny=tiny)
         f = fl.floor(fi)
+        # A kink inside the module (nn.ReLU) shows in its input gradient; one applied to its
+        # output by the code around it (F.relu, x.relu() between two Linears) in its output's.
         if how in ("full", "sample") and r["phase"] == "backward" \
-                and r["slot"].startswith("grad_input") \
+                and r["slot"].startswith(("grad_input", "grad_output")) \
                 and f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0)) > 1.0:
             judged = self._kink_flips(r, t, m, f.max, "tensor" if how == "full" else "sample")
         ratio = f.ratio(judged.get("rms", 0.0), judged.get("max_abs", 0.0))
@@ -642,8 +683,8 @@ class Comparison:
             # then passed on to everything measured on samples downstream, as measured errors
             # are in full mode (a layer's gradient sums over the flips of the one above).
             sparse = max((x.sparse for x in inh), default=0.0)
-            if r["phase"] == "backward" and r["slot"].startswith("grad_input"):
-                flips = self._kink_estimate(r)
+            if r["phase"] == "backward" and r["slot"].startswith(("grad_input", "grad_output")):
+                flips = self._kink_estimate(r, judged.get("kink_flips"))
                 if flips:
                     details["kink_estimate"] = flips
                     sparse = max(sparse, flips)

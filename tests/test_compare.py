@@ -219,3 +219,71 @@ def test_parameter_gradients_allow_for_their_summation_order(tmp_path):
     n, c, h, w = gout["shape"]
     grad = next(e for e in rep.entries if e.key == "0/grads/layer1.conv2/0/param.weight")
     assert grad.details["floor"]["k"] == n * h * w
+
+
+class _FunctionalReluMLP(nn.Module):
+    """ReLU applied by the parent's code between two Linears (F.relu, as
+    nn.TransformerEncoderLayer does): the kink is in the gradient of b's *output*."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 128), nn.Linear(128, 128), nn.Linear(128, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class _Attention(nn.Module):
+    """nn.MultiheadAttention uses out_proj's weight through F.linear: out_proj never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att, self.out = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.out(self.att(x, x, x)[0])
+
+
+def _functional_scenario(model_cls, shape):
+    from driftcheck.scenario import Scenario
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return Scenario(model=model_cls(), inputs=[torch.randn(*shape, generator=g) for _ in range(2)],
+                    loss=lambda out, x: out.pow(2).mean(),
+                    optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), steps=2)
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_a_kink_applied_around_a_module_is_judged_in_its_output_gradient(tmp_path, mode):
+    """A clean bf16 target failed at ratio 20 (full mode) on b's output gradient: where b's
+    output crossed zero between the runs, relu lets the gradient through on one side only."""
+    from driftcheck.runner import record
+
+    ref = record(_functional_scenario(_FunctionalReluMLP, (64, 32)), tmp_path / "r", mode=mode)
+    tgt = record(_functional_scenario(_FunctionalReluMLP, (64, 32)), tmp_path / "t", mode=mode,
+                 dtype="bf16", replay=ref)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.first_divergence
+    flips = [e.details["kink_flips"] for e in rep.entries
+             if e.slot == "grad_output" and "kink_flips" in e.details]
+    if mode == "full":
+        assert flips and all(f["count"] > 0 and not f["unexplained"] for f in flips)
+    bad = record(_functional_scenario(_FunctionalReluMLP, (64, 32)), tmp_path / "bad", mode=mode,
+                 dtype="bf16", replay=ref, target_hooks=faults.scale_output("b", 1.05))
+    rep = compare(ref, bad)
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "b"
+
+
+def test_parameters_used_by_an_ancestor_inherit_its_gradients(tmp_path):
+    """out_proj's gradient is made by MultiheadAttention's own code: without the ancestor's
+    gradients as its dependencies, a clean bf16 target failed at ratio 7.9 there."""
+    from driftcheck.runner import record
+
+    ref = record(_functional_scenario(_Attention, (4, 9, 32)), tmp_path / "r")
+    tgt = record(_functional_scenario(_Attention, (4, 9, 32)), tmp_path / "t", dtype="bf16",
+                 replay=ref)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.first_divergence
+    grad = next(e for e in rep.entries if e.key == "0/grads/att.out_proj/0/param.weight")
+    assert "0/backward/att/0/grad_output.0" in grad.details["inherits_from"]

@@ -400,3 +400,40 @@ def test_stats_mode_update_scale_of_a_small_parameter_is_the_exact_update(tmp_pa
         exact = cf._update_scale(by_key[e["key"]], cf.ref, {entry_align(x): x for x in cf.ref.entries})
         got = cs._update_scale(e, cs.ref, {entry_align(x): x for x in cs.ref.entries})
         assert exact[0] > 0 and got == pytest.approx(exact, rel=1e-12), e["key"]
+
+
+def _encoder_scenario():
+    from torch import nn
+
+    from driftcheck.scenario import Scenario
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)  # F.relu inside
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 5))
+    g = torch.Generator().manual_seed(0)
+    return Scenario(model=model, inputs=[torch.randn(4, 10, 32, generator=g) for _ in range(2)],
+                    loss=lambda out, x: out.pow(2).mean(),
+                    optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), steps=2)
+
+
+def test_stats_mode_estimates_kinks_applied_by_functional_relu(tmp_path):
+    """nn.TransformerEncoderLayer applies F.relu to linear1's output: no nn.ReLU to profile, and
+    the samples hold no flip. The output gradient's sample has as many exact zeros as the output
+    has non-positive values (a ReLU's signature): the flips are estimated from the output's
+    sample, and a clean bf16 target passes (it failed at 5.1 on linear1's input gradient).
+    Zeros for other reasons are not taken for a kink: Hugging Face's Llama ignores the last
+    label, so every gradient below the head has a zero row, and taking that for a kink made
+    every one of its backward entries lenient."""
+    pytest.importorskip("transformers")
+    ref = record(_encoder_scenario(), tmp_path / "r", mode="stats")
+    tgt = record(_encoder_scenario(), tmp_path / "t", mode="stats", dtype="bf16", replay=ref)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.first_divergence
+    est = [e.key for e in rep.entries if e.details.get("kink_estimate")]
+    assert "0/backward/0.layers.1.linear1/0/grad_output" in est
+    ref = record(load_scenario("hf:llama"), tmp_path / "hr", mode="stats", steps=1)
+    tgt = record(load_scenario("hf:llama"), tmp_path / "ht", mode="stats", steps=1, dtype="bf16",
+                 replay=ref)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.first_divergence
+    assert not [e.key for e in rep.entries if e.details.get("kink_estimate")]
