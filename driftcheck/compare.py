@@ -503,9 +503,7 @@ class Comparison:
         if xr_e is not None and xt_e is not None and whole:
             xr, xt = self.ref.tensor(xr_e, which), self.tgt.tensor(xt_e, which)
             if xr is not None and xt is not None and xr.shape == rt.shape == xt.shape:
-                xr64, xt64 = xr.double(), xt.double()
-                close = (xr64.abs() <= 2 * (xt64 - xr64).abs()) | (torch.sign(xr64) != torch.sign(xt64))
-                crossings = int(close.sum())
+                crossings = int(_crossing(xr, xt).sum())
         # Without the forward input, allow what rounding near zero typically produces.
         allowed = 2 * crossings + 4 if crossings is not None else max(4, int(0.01 * rt.numel()))
         out = dict(out)
@@ -541,7 +539,7 @@ class Comparison:
         xt = self.tgt.tensor(xt_e, "sample") if xt_e is not None else None
         if xr is None or xt is None or xr.shape != xt.shape or xr.numel() < 2 * KINK_NEAR:
             return None
-        xr64, xt64 = xr.double().reshape(-1), xt.double().reshape(-1)
+        xr64 = xr.double().reshape(-1)
         n = xr64.numel()
         if not (seen and seen.get("count")):
             # A ReLU's gradient is exactly zero where its input is <= 0: as many zeros in the
@@ -552,7 +550,7 @@ class Comparison:
             zeros = float((g == 0).double().mean()) if g is not None and g.numel() else 0.0
             if zeros < KINK_ZEROS or abs(zeros - float((xr64 <= 0).double().mean())) > KINK_ZEROS:
                 return None
-        close = (xr64.abs() <= 2 * (xt64 - xr64).abs()) | (torch.sign(xr64) != torch.sign(xt64))
+        close = _crossing(xr, xt)
         near = float(xr64.abs().kthvalue(KINK_NEAR).values)
         dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
         return math.sqrt(max(int(close.sum()) / n, dens, (seen or {}).get("count", 0) / n))
@@ -1005,6 +1003,13 @@ def _saturation(r: dict, t: dict) -> float | None:
     lim = min(limits)
     absmax = max(abs(r["stats"].get("min") or 0.0), abs(r["stats"].get("max") or 0.0))
     return lim if absmax > 0.5 * lim else None
+
+
+def _crossing(xr: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
+    """Where a kink's input may have crossed zero between two runs: its sign differs, or it is
+    within twice its own error of zero."""
+    xr64, xt64 = xr.double(), xt.double()
+    return (xr64.abs() <= 2 * (xt64 - xr64).abs()) | (torch.sign(xr64) != torch.sign(xt64))
 
 
 def _acc_roundoff(dtype: str) -> float:
