@@ -417,7 +417,10 @@ class Tracer:
                     dev_meta = None
                     if kink and i == 0 and t.is_floating_point():
                         with self._quiet():
-                            dev_meta = {"kink_profile": _kink_profile(t)}
+                            try:
+                                dev_meta = {"kink_profile": _kink_profile(t)}
+                            except (RuntimeError, NotImplementedError):
+                                pass  # a backend without frexp/bincount: compare goes without
                     self._capture(name, "forward", call, slot, t, extra=ctx, dev_meta=dev_meta)
             if self.audits and bn_audit.is_tracked_norm(module) and inputs:
                 with self._quiet():

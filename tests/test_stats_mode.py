@@ -437,3 +437,18 @@ def test_stats_mode_estimates_kinks_applied_by_functional_relu(tmp_path):
     rep = compare(ref, tgt)
     assert rep.verdict == "pass", rep.first_divergence
     assert not [e.key for e in rep.entries if e.details.get("kink_estimate")]
+
+
+def test_a_backend_without_the_kink_profile_ops_still_records(tmp_path, monkeypatch):
+    """frexp or bincount missing on a backend (torch_tpu implements a subset of ATen) must not
+    break a record: the ReLU's input is captured without a profile."""
+    import driftcheck.tracer as tr
+
+    def unsupported(x):
+        raise NotImplementedError("aten::frexp is not implemented for the 'tpu' backend")
+
+    monkeypatch.setattr(tr, "_kink_profile", unsupported)
+    ref = record(load_scenario("mlp"), tmp_path / "r", mode="stats", force=True)
+    entries = TraceReader(ref).entries
+    assert not [e for e in entries if "kink_profile" in (e.get("meta") or {})]
+    assert [e for e in entries if e["module"] == "act2" and e["phase"] == "forward"]
