@@ -9,7 +9,10 @@ BERT, T5, GPT-2 and BART from transformers' configs (tied embeddings and heads),
 written with F.relu, nn.TransformerEncoder (F.relu inside), a CNN with F.relu, MaxPool and
 Dropout, a module called three times with a GRU and weights used by matmul, an
 nn.MultiheadAttention with a key padding mask, and a module with an in-place write into a view,
-an LSTM, BatchNorm1d and a dict output. Per architecture and mode: the verdict and worst ratio
+an LSTM, BatchNorm1d and a dict output; ReLU6/LeakyReLU/Hardtanh/clamp kinks, activation
+checkpointing (forward recomputed in backward), a UNet-like block with GroupNorm and
+ConvTranspose2d, causal scaled_dot_product_attention with an EmbeddingBag, and a buffer updated
+in forward beside a frozen Linear. Per architecture and mode: the verdict and worst ratio
 of fp32 reference vs bf16 target, and whether a middle Linear's output x1.05 (on an fp32
 target, as in hf_families.py) is caught there.
 """
@@ -194,17 +197,119 @@ def odd() -> Scenario:
                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
 
 
+class _Kinks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.r6, self.b = nn.Linear(32, 128), nn.ReLU6(), nn.Linear(128, 128)
+        self.lk, self.c, self.ht, self.d = nn.LeakyReLU(0.1), nn.Linear(128, 128), nn.Hardtanh(), nn.Linear(128, 4)
+
+    def forward(self, x):
+        h = self.ht(self.c(self.lk(self.b(self.r6(self.a(x) * 3)))))
+        return self.d(h.clamp(min=-0.5))
+
+
+def kinks() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_Kinks(), [torch.randn(64, 32, generator=g) for _ in range(2)])
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                     for _ in range(3)])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)  # forward recomputed in backward
+        return self.head(x)
+
+
+def checkpointed() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_Checkpointed(), [torch.randn(16, 32, generator=g) for _ in range(2)])
+
+
+class _UNetish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.gn = nn.Conv2d(4, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16)
+        self.mid, self.up = nn.Conv2d(16, 16, 3, padding=1), nn.ConvTranspose2d(16, 4, 4, stride=2, padding=1)
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        h = F.silu(self.gn(self.down(x)))
+        h = h + F.silu(self.mid(h))
+        return self.out(torch.cat([self.up(h), x], dim=1))
+
+
+def unetish() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_UNetish(), [torch.randn(4, 4, 16, 16, generator=g) for _ in range(2)])
+
+
+class _SDPA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.bag = nn.EmbeddingBag(40, 32, mode="mean")
+
+    def forward(self, x, ids):
+        b, t, c = x.shape
+        x = x + self.bag(ids)[:, None, :]
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+def sdpa() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_SDPA(), [(torch.randn(4, 12, 32, generator=g), torch.randint(0, 40, (4, 5), generator=g))
+                            for _ in range(2)])
+
+
+class _Stateful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.frozen = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)  # a buffer updated in forward
+        return self.frozen(torch.tanh(h)) + self.ema
+
+
+def stateful() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_Stateful(), [torch.randn(32, 16, generator=g) for _ in range(2)])
+
+
 ARCHITECTURES = {"bert": bert, "t5": t5, "gpt2": gpt2, "bart": bart,
                  "functional_mlp": functional_mlp, "transformer_encoder": transformer_encoder,
-                 "cnn": cnn, "shared": shared, "attention": attention, "odd": odd}
+                 "cnn": cnn, "shared": shared, "attention": attention, "odd": odd,
+                 "kinks": kinks, "checkpointed": checkpointed, "unetish": unetish, "sdpa": sdpa,
+                 "stateful": stateful}
 
 
 def _middle_linear(build, ref: Path) -> str:
-    """A Linear in the middle of the model that runs as a module (nn.MultiheadAttention's
+    """A Linear (or convolution) in the middle of the model that runs as a module (nn.MultiheadAttention's
     out_proj does not: its weight goes to F.linear)."""
     ran = {e["module"] for e in TraceReader(ref).entries if e["phase"] == "forward"}
     names = [n for n, m in build().model.named_modules()
-             if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and n in ran]
+             if (isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) or type(m).__name__ == "Conv1D")
+             and n in ran]
     return names[len(names) // 2]
 
 

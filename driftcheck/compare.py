@@ -476,8 +476,10 @@ class Comparison:
                     which: str = "tensor") -> dict[str, Any]:
         """Gradients through ReLU-like kinks (relu, max-pool, clamp) switch on or off where the
         forward input crossed the kink within its own error: such positions are one side exactly
-        zero, the other not. Judge the other positions with the floor, and these by count: there
-        may be no more of them than forward inputs that came that close to zero.
+        zero, the other not; through a kink that changes the slope (LeakyReLU), they differ by
+        more than the floor where the forward input crossed. Judge the other positions with the
+        floor, and these by count: there may be no more of them than forward inputs that came
+        that close to zero.
 
         ``which="sample"``: the same on the stats-mode samples (the same positions on both
         runs). The forward input's sample holds other positions (samples are drawn per key)
@@ -485,25 +487,30 @@ class Comparison:
         rt, tt = self.ref.tensor(r, which), self.tgt.tensor(t, which)
         if rt is None or tt is None or rt.shape != tt.shape:
             return m
+        s, _, mod, call, slot = _align(r)
+        in_slot = slot[len("grad_"):]  # grad_input.0 -> input.0, grad_output[.p] -> output[.p]
+        xr_e = self.ref_index.by_align.get((s, "forward", mod, call, in_slot))
+        xt_e = self.tgt_map.get((s, "forward", mod, call, in_slot))
+        cross = None
+        whole = which == "tensor" or r["stats"].get("numel") == rt.numel() == (
+            xr_e or {}).get("stats", {}).get("numel")  # a sample that is the whole tensor
+        if xr_e is not None and xt_e is not None and whole:
+            xr, xt = self.ref.tensor(xr_e, which), self.tgt.tensor(xt_e, which)
+            if xr is not None and xt is not None and xr.shape == rt.shape == xt.shape:
+                cross = _crossing(xr, xt)
         big = torch.maximum(rt.double().abs(), tt.double().abs()) > floor_max
         flip = ((rt == 0) ^ (tt == 0)) & big
+        if cross is not None:
+            # A kink that only changes the slope (LeakyReLU, a clamp's other side): the
+            # gradient differs by more than the floor, at an input that crossed the kink.
+            flip |= cross & ((rt.double() - tt.double()).abs() > floor_max)
         n = int(flip.sum())
         if n == 0:
             return m
         keep = ~flip
         out = mx.tensor_error(rt[keep], tt[keep], ref_dtype=r["dtype"], tgt_dtype=t["dtype"]) \
             if int(keep.sum()) else {"rms": 0.0, "max_abs": 0.0}
-        s, _, mod, call, slot = _align(r)
-        in_slot = slot[len("grad_"):]  # grad_input.0 -> input.0, grad_output[.p] -> output[.p]
-        xr_e = self.ref_index.by_align.get((s, "forward", mod, call, in_slot))
-        xt_e = self.tgt_map.get((s, "forward", mod, call, in_slot))
-        crossings = None
-        whole = which == "tensor" or r["stats"].get("numel") == rt.numel() == (
-            xr_e or {}).get("stats", {}).get("numel")  # a sample that is the whole tensor
-        if xr_e is not None and xt_e is not None and whole:
-            xr, xt = self.ref.tensor(xr_e, which), self.tgt.tensor(xt_e, which)
-            if xr is not None and xt is not None and xr.shape == rt.shape == xt.shape:
-                crossings = int(_crossing(xr, xt).sum())
+        crossings = int(cross.sum()) if cross is not None else None
         # Without the forward input, allow what rounding near zero typically produces.
         allowed = 2 * crossings + 4 if crossings is not None else max(4, int(0.01 * rt.numel()))
         out = dict(out)

@@ -78,6 +78,10 @@ def _module_kind(m: nn.Module) -> tuple[str, int | None]:
     """A coarse op kind and reduction length for the noise floor."""
     if isinstance(m, nn.Linear):
         return "linear", m.in_features
+    if isinstance(m, nn.modules.conv._ConvTransposeNd):
+        # each output sums in_channels/groups x (kernel taps landing on it: kernel / stride)
+        return "conv", max((m.in_channels // m.groups) * math.prod(m.kernel_size)
+                           // math.prod(m.stride), 1)
     if isinstance(m, nn.modules.conv._ConvNd):
         return "conv", (m.in_channels // m.groups) * math.prod(m.kernel_size)
     if isinstance(m, nn.Embedding):
@@ -137,6 +141,15 @@ def _magnitude_sq(m: nn.Module, x: torch.Tensor,
                     weight_sq[id(w)] = (w._version, sw)
             rows = max(x.numel() // k, 1)
             return torch.dot((xs * xs).sum(0), sw) / (rows * w.shape[0])
+        if isinstance(m, nn.modules.conv._ConvTransposeNd) and x.dim() >= 2 \
+                and x.shape[1] == m.in_channels:
+            # weight (C_in, C_out/g, *kernel); an output position gets ~kernel/stride taps
+            g = m.groups
+            dims = [0] + list(range(2, x.dim()))
+            ex = x.detach().to(acc).pow(2).mean(dim=dims).reshape(g, -1, 1)  # (g, C_in/g, 1)
+            wsq = w.detach().to(acc).pow(2).reshape(w.shape[0], w.shape[1], -1).sum(-1)
+            wsq = wsq.reshape(g, w.shape[0] // g, w.shape[1])  # (g, C_in/g, C_out/g)
+            return (wsq * ex).sum() / (w.shape[1] * g) / math.prod(m.stride)
         if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
             g = m.groups
             dims = [0] + list(range(2, x.dim()))
@@ -455,7 +468,10 @@ class Tracer:
             dev_meta = None
             if kind in ("linear", "conv") and args and isinstance(args[0], torch.Tensor):
                 with self._quiet():
-                    mag = _magnitude_sq(module, args[0], self._weight_sq)
+                    try:
+                        mag = _magnitude_sq(module, args[0], self._weight_sq)
+                    except (RuntimeError, ValueError, NotImplementedError):
+                        mag = None  # a layer shape it does not know: the floor goes without
                 if mag is not None:
                     dev_meta = {"mag_sq": mag}
             if self._capturing("forward"):

@@ -287,3 +287,28 @@ def test_parameters_used_by_an_ancestor_inherit_its_gradients(tmp_path):
     assert rep.verdict == "pass", rep.first_divergence
     grad = next(e for e in rep.entries if e.key == "0/grads/att.out_proj/0/param.weight")
     assert "0/backward/att/0/grad_output.0" in grad.details["inherits_from"]
+
+
+class _SlopeKinks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.lk, self.b = nn.Linear(32, 128), nn.LeakyReLU(0.1), nn.Linear(128, 128)
+        self.r6, self.c = nn.ReLU6(), nn.Linear(128, 4)
+
+    def forward(self, x):
+        return self.c(self.r6(self.b(self.lk(self.a(x))) * 3))
+
+
+def test_a_kink_that_changes_the_slope_is_judged_at_its_crossings(tmp_path):
+    """LeakyReLU's gradient goes from 1 to 0.1 where its input crosses zero: neither side is
+    zero, so the zero-flip test missed it, and a clean bf16 target failed at ratio 4 there."""
+    from driftcheck.runner import record
+
+    ref = record(_functional_scenario(_SlopeKinks, (64, 32)), tmp_path / "r")
+    tgt = record(_functional_scenario(_SlopeKinks, (64, 32)), tmp_path / "t", dtype="bf16",
+                 replay=ref)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.first_divergence
+    lk = [e.details["kink_flips"] for e in rep.entries
+          if e.module == "lk" and e.slot == "grad_input.0" and "kink_flips" in e.details]
+    assert lk and all(f["count"] > 0 and f["count"] <= f["forward_crossings"] for f in lk)

@@ -351,3 +351,45 @@ def test_grad_input_of_nested_composites_is_their_own_contribution(tmp_path):
         assert torch.allclose(r.tensor(entry), g_in, rtol=1e-5, atol=1e-6), (mod, call)
         checked += 1
     assert checked == len(with_grad_input)
+
+
+@pytest.mark.parametrize("args", [
+    dict(in_channels=16, out_channels=4, kernel_size=4, stride=2, padding=1),
+    dict(in_channels=8, out_channels=6, kernel_size=3, stride=1, padding=1, groups=2),
+    dict(in_channels=8, out_channels=8, kernel_size=(2, 3), stride=(2, 1), groups=4)])
+def test_transposed_convolution_magnitude_matches_its_definition(args):
+    """mean over outputs of sum x^2 w^2, which is conv_transpose(x^2, w^2): a transposed
+    convolution's weight is (C_in, C_out/groups, *kernel), not a convolution's layout (taking
+    it for one crashed every record of a model with ConvTranspose2d)."""
+    import torch.nn.functional as F
+
+    from driftcheck.tracer import _magnitude_sq
+
+    torch.manual_seed(0)
+    m = nn.ConvTranspose2d(**args)
+    x = torch.randn(2, args["in_channels"], 12, 12)
+    with torch.no_grad():
+        exact = F.conv_transpose2d(x * x, m.weight * m.weight, stride=m.stride, padding=m.padding,
+                                   groups=m.groups).mean()
+    assert float(_magnitude_sq(m, x)) == pytest.approx(float(exact), rel=0.25)
+
+
+def test_a_model_with_a_transposed_convolution_records_and_passes_bf16(tmp_path):
+    from driftcheck.compare import compare
+    from driftcheck.runner import record
+    from driftcheck.scenario import Scenario
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(4, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                              nn.ConvTranspose2d(16, 4, 4, stride=2, padding=1))
+        g = torch.Generator().manual_seed(0)
+        return Scenario(model=model, inputs=[torch.randn(4, 4, 16, 16, generator=g)],
+                        loss=lambda out, x: (out - x).pow(2).mean(),
+                        optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), steps=2)
+
+    ref = record(build(), tmp_path / "r")
+    rep = compare(ref, record(build(), tmp_path / "t", dtype="bf16", replay=ref))
+    assert rep.verdict == "pass", rep.first_divergence
+    out = next(e for e in rep.entries if e.key == "0/forward/3/0/output")
+    assert out.details["floor"]["scale_rms"] > 0
