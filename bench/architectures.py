@@ -11,8 +11,10 @@ Dropout, a module called three times with a GRU and weights used by matmul, an
 nn.MultiheadAttention with a key padding mask, and a module with an in-place write into a view,
 an LSTM, BatchNorm1d and a dict output; ReLU6/LeakyReLU/Hardtanh/clamp kinks, activation
 checkpointing (forward recomputed in backward), a UNet-like block with GroupNorm and
-ConvTranspose2d, causal scaled_dot_product_attention with an EmbeddingBag, and a buffer updated
-in forward beside a frozen Linear. Per architecture and mode: the verdict and worst ratio
+ConvTranspose2d, causal scaled_dot_product_attention with an EmbeddingBag, a buffer updated
+in forward beside a frozen Linear, a sparse embedding gradient, spectral and weight norm
+parametrizations, channels-last convolution, and one module registered at two paths. Per
+architecture and mode: the verdict and worst ratio
 of fp32 reference vs bf16 target, and whether a middle Linear's output x1.05 (on an fp32
 target, as in hf_families.py) is caught there.
 """
@@ -296,11 +298,79 @@ def stateful() -> Scenario:
     return _plain(_Stateful(), [torch.randn(32, 16, generator=g) for _ in range(2)])
 
 
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(100, 16, sparse=True), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids).mean(1))
+
+
+def sparse_embedding() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_SparseEmbedding(), [torch.randint(0, 100, (8, 6), generator=g) for _ in range(2)],
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+class _Parametrized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.parametrizations.spectral_norm(nn.Linear(16, 32))
+        self.b = nn.utils.parametrizations.weight_norm(nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def parametrized() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_Parametrized(), [torch.randn(16, 16, generator=g) for _ in range(2)])
+
+
+class _ChannelsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 8, 3, padding=1).to(memory_format=torch.channels_last)
+        self.bn, self.p, self.fc = nn.BatchNorm2d(8), nn.AvgPool2d(2), nn.Linear(8 * 4 * 4, 3)
+
+    def forward(self, x):
+        x = x.to(memory_format=torch.channels_last)
+        return self.fc(self.p(F.silu(self.bn(self.c(x)))).flatten(1))
+
+
+def channels_last() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_ChannelsLast(), [torch.randn(4, 3, 8, 8, generator=g) for _ in range(2)])
+
+
+class _OneModuleTwoPaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        blk = nn.Linear(16, 16)
+        self.enc, self.dec = nn.Sequential(blk, nn.Tanh()), nn.Sequential(blk, nn.Tanh())
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(self.dec(self.enc(x)))
+
+
+def one_module_two_paths() -> Scenario:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return _plain(_OneModuleTwoPaths(), [torch.randn(8, 16, generator=g) for _ in range(2)])
+
+
 ARCHITECTURES = {"bert": bert, "t5": t5, "gpt2": gpt2, "bart": bart,
                  "functional_mlp": functional_mlp, "transformer_encoder": transformer_encoder,
                  "cnn": cnn, "shared": shared, "attention": attention, "odd": odd,
                  "kinks": kinks, "checkpointed": checkpointed, "unetish": unetish, "sdpa": sdpa,
-                 "stateful": stateful}
+                 "stateful": stateful, "sparse_embedding": sparse_embedding,
+                 "parametrized": parametrized, "channels_last": channels_last,
+                 "one_module_two_paths": one_module_two_paths}
 
 
 def _middle_linear(build, ref: Path) -> str:

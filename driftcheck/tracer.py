@@ -632,6 +632,8 @@ class Tracer:
             # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
             # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
             t = t.to_local()
+        if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): dense
+            t = t.to_dense()
         skey = fmt.key_string(self.step_index, phase, module, call, slot)
         if skey in self._seen_keys:
             return  # the same tensor reached twice (e.g. an output hook fired twice)

@@ -393,3 +393,26 @@ def test_a_model_with_a_transposed_convolution_records_and_passes_bf16(tmp_path)
     assert rep.verdict == "pass", rep.first_divergence
     out = next(e for e in rep.entries if e.key == "0/forward/3/0/output")
     assert out.details["floor"]["scale_rms"] > 0
+
+
+def test_a_sparse_gradient_is_recorded_dense(tmp_path):
+    """nn.Embedding(sparse=True) gives its weight a sparse COO gradient: the record crashed on
+    it (reshape is not implemented for sparse tensors). It is recorded as the dense tensor."""
+    from driftcheck.scenario import Scenario
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Flatten(), nn.Linear(96, 4))
+        g = torch.Generator().manual_seed(0)
+        return Scenario(model=model, inputs=[torch.randint(0, 100, (8, 6), generator=g)],
+                        loss=lambda out, x: out.pow(2).mean(),
+                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=1)
+
+    sc = build()
+    model = sc.model
+    sc.loss(model(sc.inputs[0]), None).backward()
+    expected = model[0].weight.grad.to_dense()
+    out = record(build(), tmp_path / "t")
+    reader = TraceReader(out)
+    e = next(e for e in reader.entries if e["key"] == "0/grads/0/0/param.weight")
+    assert e["shape"] == [100, 16] and torch.equal(reader.tensor(e), expected)
