@@ -94,6 +94,19 @@ def _plain(model: nn.Module, inputs: list, loss=None, optimizer=_adam) -> Scenar
                     loss=loss or (lambda out, x: out.pow(2).mean()))
 
 
+def _built(make_model, make_input, loss=None, optimizer=_adam, seed: int = 0) -> Scenario:
+    """A model made after seeding torch with 0, and two steps of inputs drawn from one generator
+    seeded with ``seed``."""
+    torch.manual_seed(0)
+    model = make_model()
+    g = torch.Generator().manual_seed(seed)
+    return _plain(model, [make_input(g) for _ in range(2)], loss, optimizer)
+
+
+def _randn(*shape):
+    return lambda g: torch.randn(*shape, generator=g)
+
+
 class _FunctionalMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -104,17 +117,15 @@ class _FunctionalMLP(nn.Module):
 
 
 def functional_mlp() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_FunctionalMLP(), [torch.randn(64, 32, generator=g) for _ in range(2)])
+    return _built(_FunctionalMLP, _randn(64, 32))
 
 
 def transformer_encoder() -> Scenario:
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 5))
-    g = torch.Generator().manual_seed(0)
-    return _plain(model, [torch.randn(4, 10, 32, generator=g) for _ in range(2)])
+    def model():
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                             nn.Linear(32, 5))
+    return _built(model, _randn(4, 10, 32))
 
 
 class _CNN(nn.Module):
@@ -153,9 +164,7 @@ class _Shared(nn.Module):
 
 
 def shared() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_Shared(), [torch.randint(0, 50, (4, 12), generator=g) for _ in range(2)],
+    return _built(_Shared, lambda g: torch.randint(0, 50, (4, 12), generator=g),
                   loss=lambda out, ids: F.cross_entropy(out.reshape(-1, 50), ids.reshape(-1)))
 
 
@@ -169,12 +178,9 @@ class _Attention(nn.Module):
 
 
 def attention() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
     mask = torch.zeros(4, 9, dtype=torch.bool)
     mask[:, -2:] = True
-    return _plain(_Attention(), [{"x": torch.randn(4, 9, 32, generator=g), "mask": mask}
-                                 for _ in range(2)])
+    return _built(_Attention, lambda g: {"x": torch.randn(4, 9, 32, generator=g), "mask": mask})
 
 
 class _Odd(nn.Module):
@@ -192,9 +198,7 @@ class _Odd(nn.Module):
 
 
 def odd() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    return _plain(_Odd(), [torch.randn(4, 5, 8, generator=g) for _ in range(2)],
+    return _built(_Odd, _randn(4, 5, 8), seed=1,
                   loss=lambda out, x: out["logits"].pow(2).mean() + out["hidden"].sum() * 0.01,
                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
 
@@ -211,9 +215,7 @@ class _Kinks(nn.Module):
 
 
 def kinks() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_Kinks(), [torch.randn(64, 32, generator=g) for _ in range(2)])
+    return _built(_Kinks, _randn(64, 32))
 
 
 class _Checkpointed(nn.Module):
@@ -232,9 +234,7 @@ class _Checkpointed(nn.Module):
 
 
 def checkpointed() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_Checkpointed(), [torch.randn(16, 32, generator=g) for _ in range(2)])
+    return _built(_Checkpointed, _randn(16, 32))
 
 
 class _UNetish(nn.Module):
@@ -251,9 +251,7 @@ class _UNetish(nn.Module):
 
 
 def unetish() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_UNetish(), [torch.randn(4, 4, 16, 16, generator=g) for _ in range(2)])
+    return _built(_UNetish, _randn(4, 4, 16, 16))
 
 
 class _SDPA(nn.Module):
@@ -271,10 +269,8 @@ class _SDPA(nn.Module):
 
 
 def sdpa() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_SDPA(), [(torch.randn(4, 12, 32, generator=g), torch.randint(0, 40, (4, 5), generator=g))
-                            for _ in range(2)])
+    return _built(_SDPA, lambda g: (torch.randn(4, 12, 32, generator=g),
+                                    torch.randint(0, 40, (4, 5), generator=g)))
 
 
 class _Stateful(nn.Module):
@@ -293,9 +289,7 @@ class _Stateful(nn.Module):
 
 
 def stateful() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_Stateful(), [torch.randn(32, 16, generator=g) for _ in range(2)])
+    return _built(_Stateful, _randn(32, 16))
 
 
 class _SparseEmbedding(nn.Module):
@@ -308,9 +302,7 @@ class _SparseEmbedding(nn.Module):
 
 
 def sparse_embedding() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_SparseEmbedding(), [torch.randint(0, 100, (8, 6), generator=g) for _ in range(2)],
+    return _built(_SparseEmbedding, lambda g: torch.randint(0, 100, (8, 6), generator=g),
                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 
 
@@ -325,9 +317,7 @@ class _Parametrized(nn.Module):
 
 
 def parametrized() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_Parametrized(), [torch.randn(16, 16, generator=g) for _ in range(2)])
+    return _built(_Parametrized, _randn(16, 16))
 
 
 class _ChannelsLast(nn.Module):
@@ -342,9 +332,7 @@ class _ChannelsLast(nn.Module):
 
 
 def channels_last() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_ChannelsLast(), [torch.randn(4, 3, 8, 8, generator=g) for _ in range(2)])
+    return _built(_ChannelsLast, _randn(4, 3, 8, 8))
 
 
 class _OneModuleTwoPaths(nn.Module):
@@ -359,9 +347,7 @@ class _OneModuleTwoPaths(nn.Module):
 
 
 def one_module_two_paths() -> Scenario:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    return _plain(_OneModuleTwoPaths(), [torch.randn(8, 16, generator=g) for _ in range(2)])
+    return _built(_OneModuleTwoPaths, _randn(8, 16))
 
 
 ARCHITECTURES = {"bert": bert, "t5": t5, "gpt2": gpt2, "bart": bart,

@@ -155,9 +155,10 @@ class Bench:
         fe = next((e for e in faulty.entries if (e["step"], e["phase"], e["module"], e["call"], e["slot"]) == key), None)
         if ce is None or fe is None or not self.clean_floor.get(key):
             return None
-        # Stats mode: the samples (the same positions on both runs: same key, same seed).
-        which = "tensor" if faulty.tensor(fe) is not None else "sample"
-        diff = faulty.tensor(fe, which).double() - clean.tensor(ce, which).double()
+        a, b = faulty.tensor(fe), clean.tensor(ce)
+        if a is None:  # stats mode: the samples (the same positions on both runs: same key, seed)
+            a, b = faulty.tensor(fe, "sample"), clean.tensor(ce, "sample")
+        diff = a.double() - b.double()
         if not torch.isfinite(diff).all():
             return math.inf
         return float(diff.pow(2).mean().sqrt()) / self.clean_floor[key]

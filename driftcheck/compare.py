@@ -88,7 +88,7 @@ class _Index:
             self.users[(t["owner"], t["owner_param"])].append(t["module"])
             tied_in[t["module"]].append((t["owner"], "param." + t["owner_param"]))
         if tied_in:
-            for (s, m), calls in list(self.calls.items()):
+            for s, m in self.calls:
                 for owner, slot in tied_in.get(m, ()):
                     e = self.by_align.get((s, "params", owner, 0, slot))
                     if e is not None and all(x is not e for x in self.params[(s, m)]):
@@ -472,6 +472,13 @@ class Comparison:
                     terms += (e["stats"].get("numel") or 0) // r["shape"][0]
         return terms or None
 
+    def _forward_of(self, r: dict) -> tuple[dict | None, dict | None]:
+        """The forward tensor a gradient entry is the gradient of (grad_input.0 -> input.0,
+        grad_output[.p] -> output[.p]), in the reference and in the target."""
+        s, _, mod, call, slot = _align(r)
+        a = (s, "forward", mod, call, slot[len("grad_"):])
+        return self.ref_index.by_align.get(a), self.tgt_map.get(a)
+
     def _kink_flips(self, r: dict, t: dict, m: dict[str, Any], floor_max: float,
                     which: str = "tensor") -> dict[str, Any]:
         """Gradients through ReLU-like kinks (relu, max-pool, clamp) switch on or off where the
@@ -487,10 +494,7 @@ class Comparison:
         rt, tt = self.ref.tensor(r, which), self.tgt.tensor(t, which)
         if rt is None or tt is None or rt.shape != tt.shape:
             return m
-        s, _, mod, call, slot = _align(r)
-        in_slot = slot[len("grad_"):]  # grad_input.0 -> input.0, grad_output[.p] -> output[.p]
-        xr_e = self.ref_index.by_align.get((s, "forward", mod, call, in_slot))
-        xt_e = self.tgt_map.get((s, "forward", mod, call, in_slot))
+        xr_e, xt_e = self._forward_of(r)
         cross = None
         whole = which == "tensor" or r["stats"].get("numel") == rt.numel() == (
             xr_e or {}).get("stats", {}).get("numel")  # a sample that is the whole tensor
@@ -531,8 +535,7 @@ class Comparison:
         input has non-positive values), and p comes from the forward tensor's sample: the
         crossings seen, or the density of |x| near zero (from the KINK_NEAR smallest
         magnitudes, taken as flat below them, as for any smooth distribution) times 4e."""
-        s, _, mod, call, slot = _align(r)
-        x = self.ref_index.by_align.get((s, "forward", mod, call, slot[len("grad_"):]))
+        x, xt_e = self._forward_of(r)
         err = self.errors.get(_align(x)) if x is not None else None
         if err is None or not err.rms:
             return None
@@ -541,7 +544,6 @@ class Comparison:
         if prof and prof[0] and absmax:
             k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
             return math.sqrt(prof[min(max(k, 0), len(prof) - 1)] / prof[0])
-        xt_e = self.tgt_map.get(_align(x))
         xr = self.ref.tensor(x, "sample")
         xt = self.tgt.tensor(xt_e, "sample") if xt_e is not None else None
         if xr is None or xt is None or xr.shape != xt.shape or xr.numel() < 2 * KINK_NEAR:

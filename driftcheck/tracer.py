@@ -141,22 +141,17 @@ def _magnitude_sq(m: nn.Module, x: torch.Tensor,
                     weight_sq[id(w)] = (w._version, sw)
             rows = max(x.numel() // k, 1)
             return torch.dot((xs * xs).sum(0), sw) / (rows * w.shape[0])
-        if isinstance(m, nn.modules.conv._ConvTransposeNd) and x.dim() >= 2 \
-                and x.shape[1] == m.in_channels:
-            # weight (C_in, C_out/g, *kernel); an output position gets ~kernel/stride taps
-            g = m.groups
-            dims = [0] + list(range(2, x.dim()))
-            ex = x.detach().to(acc).pow(2).mean(dim=dims).reshape(g, -1, 1)  # (g, C_in/g, 1)
-            wsq = w.detach().to(acc).pow(2).reshape(w.shape[0], w.shape[1], -1).sum(-1)
-            wsq = wsq.reshape(g, w.shape[0] // g, w.shape[1])  # (g, C_in/g, C_out/g)
-            return (wsq * ex).sum() / (w.shape[1] * g) / math.prod(m.stride)
         if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
+            # weight (C_out, C_in/g, *kernel); a transposed one's is (C_in, C_out/g, *kernel),
+            # and an output position of it gets ~kernel/stride taps
             g = m.groups
             dims = [0] + list(range(2, x.dim()))
-            ex = x.detach().to(acc).pow(2).mean(dim=dims).reshape(g, -1)  # (g, C/g)
+            ex = x.detach().to(acc).pow(2).mean(dim=dims).reshape(g, -1)  # (g, C_in/g)
             wsq = w.detach().to(acc).pow(2).reshape(w.shape[0], w.shape[1], -1).sum(-1)
-            wsq = wsq.reshape(g, w.shape[0] // g, w.shape[1])  # (g, O/g, C/g)
-            return (wsq * ex[:, None, :]).sum() / w.shape[0]
+            wsq = wsq.reshape(g, w.shape[0] // g, w.shape[1])  # weight rows/g x columns
+            if m.transposed:
+                return (wsq * ex[:, :, None]).sum() / m.out_channels / math.prod(m.stride)
+            return (wsq * ex[:, None, :]).sum() / m.out_channels
     return None
 
 
@@ -725,10 +720,8 @@ class Tracer:
             at += n
             if k == "mag_sq":
                 pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
-            elif k == "kink_profile":
+            else:  # kink_profile: counts
                 pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
-            else:
-                pending[i].entry.setdefault("meta", {})[k] = v[0] if n == 1 else v
         for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
             p.entry["stats"] = tstats.to_dict(row)
             if full:
