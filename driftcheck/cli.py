@@ -400,7 +400,12 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
     from driftcheck import devices
 
     for spec in (ref_device, tgt_device):
-        devices.parse_device(spec)
+        dev_type, _ = devices.parse_device(spec)
+        if dev_type in devices.BUILTIN_TYPES:
+            # torch's own devices are checked now, not after minutes of recording the reference;
+            # tpu and other backends load (and are checked) in their own record process
+            devices.prepare_environment(dev_type)
+            devices.open_device(spec)
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         if not force:

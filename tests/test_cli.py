@@ -195,3 +195,11 @@ def test_cli_runs_no_full_garbage_collections(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "full collections 0"
     assert (tmp_path / "t" / "manifest.json").exists()
+
+
+def test_run_checks_a_missing_target_device_before_recording(tmp_path):
+    """A target device torch itself knows (cuda, mps, xpu) that this host lacks is refused before
+    the reference is recorded (it used to be recorded first, then the target failed)."""
+    p = dc("run", "llama", "--reference", "cpu", "--target", "xpu:3", "--out", str(tmp_path / "r"))
+    assert "XPU" in one_line_error(p)
+    assert not (tmp_path / "r" / "reference").exists()
