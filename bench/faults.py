@@ -34,7 +34,7 @@ from driftcheck import faults
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
 from driftcheck.report import Report
-from driftcheck.runner import record
+from driftcheck.record.runner import record
 from driftcheck.store import TraceReader
 
 MODELS = ("mlp", "resnet", "llama", "vit")

@@ -23,10 +23,11 @@ from pathlib import Path
 import _common as c  # noqa: E402  (sets sys.path)
 import torch
 
-from driftcheck.rng import DropoutControl
-from driftcheck.runner import run_metadata, train
+from driftcheck.record.rng import DropoutControl
+from driftcheck.record.metadata import run_metadata
+from driftcheck.record.runner import train
 from driftcheck.store import TraceWriter, strict_json
-from driftcheck.tracer import Tracer
+from driftcheck.record.tracer import Tracer
 
 MODES = {"stats": dict(mode="stats"), "auto": dict(mode="auto", full_modules=["layers.0*"]),
          "full": dict(mode="full")}

@@ -2,7 +2,7 @@
 
 Each fault wraps one named submodule's ``forward`` (an instance attribute, removed again by
 ``remove()``), so the tracer's hooks see the faulty call exactly as they would see a faulty
-kernel, and a local replay of that module (driftcheck/local.py) runs through the fault too.
+kernel, and a local replay of that module (driftcheck/record/local.py) runs through the fault too.
 A fault is a callable taking the model, so it plugs into ``runner.record(target_hooks=...)``:
 
     record(scenario, "target", dtype="bf16", replay="ref", target_hooks=faults.scale_output("fc2", 1.05))
@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.local import substitute
+from driftcheck.nested import substitute
 
 __all__ = ["Fault", "fp8_matmul", "low_precision_reduction", "offset_output", "other_dropout_mask",
            "overflow", "scale_grad", "scale_output", "stochastic_rounding"]

@@ -17,7 +17,7 @@ For one entry (one tensor) the floor is an rms error and a max error that roundi
   Elsewhere the reference tensor's own rms (or absmax, for the max floor).
 - ``eps_in``: the relative error this entry inherits: the largest relative error among the
   entries it depends on (its module's inputs, its children's outputs, its parameters; see
-  compare.dependencies). Drift that propagates raises the floor of everything downstream, so a
+  compare/index.py). Drift that propagates raises the floor of everything downstream, so a
   later module is never blamed for an earlier one; what a module adds beyond KAPPA times what
   it received is its own.
 

@@ -12,17 +12,15 @@ works like a Transformer-Engine fp8 GEMM with per-tensor scaling:
   ``grad_weight`` comes from the fp32 accumulator, ``grad_bias`` is a fp32 sum of the unquantised
   ``grad_output``.
 
-Every cast is recorded per (module path, call, role): amax, scale, fraction flushed to zero,
-fraction saturated. Statistics stay on the device until :meth:`Fp8Handle.stats` fetches them in one
-transfer: a host copy per cast would be a sync point (and split fused torch_tpu graphs).
+Every cast is recorded per (module path, call, role): amax, scale, flushed and saturated fractions,
+kept on the device until :meth:`Fp8Handle.stats` fetches them in one transfer (no sync per cast).
 
 ``torch._scaled_mm`` (tensor-wise scales, float32 0-dim) runs on CPU and CUDA (sm_89+). Its CUDA
 kernel needs every dimension a multiple of 16 and the second operand column-major: operands are
 zero-padded (exact: zeros add nothing) and laid out accordingly. Where the kernel is missing or
-refuses the operands (older GPUs, e5m2 x e5m2 on CUDA, backends without it), the ``auto`` kernel
-falls back to ``dequant``: the fp8 values upcast to fp32 and multiplied there. Every fp8 value and
-every product of two is exact in fp32 (also in TF32 and bf16), so only the accumulation order
-differs from the fused kernel. Which kernel ran is recorded per cast.
+refuses the operands (older GPUs, e5m2 x e5m2 on CUDA), the ``auto`` kernel falls back to
+``dequant``: fp8 values upcast and multiplied in fp32, where every fp8 value and product is exact,
+so only the accumulation order differs. Which kernel ran is recorded per cast.
 """
 from __future__ import annotations
 
@@ -36,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from driftcheck import dtypes
 from driftcheck.errors import DriftcheckError
 
 FORMATS = ("e4m3", "e5m2", "hybrid")
 SCALINGS = ("current", "delayed")
 KERNELS = ("auto", "scaled_mm", "dequant")
 ROLES = ("input", "weight", "grad_output")
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_NAMES = {dtype: name for name, dtype in FP8_DTYPES.items()}
+FP8_DTYPES, _NAMES = dtypes.FP8_FORMATS, dtypes.FP8_FORMAT_OF
 _BROKEN: set[tuple[str, torch.dtype, torch.dtype]] = set()  # where _scaled_mm refused to run
 
 
@@ -265,13 +263,9 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 class Fp8Handle:
-    """The fp8 emulation installed on a model: its statistics, and the way back.
-
-    Attributes:
-        recipe: the :class:`Fp8Recipe` in use.
-        modules: paths of the patched ``nn.Linear`` modules.
-        skipped: paths of ``nn.Linear`` subclasses with their own forward (left as they are).
-    """
+    """The fp8 emulation installed on a model: its statistics, and the way back. ``recipe`` is
+    in use on ``modules`` (paths of the patched Linears); ``skipped``: Linear subclasses with
+    their own forward (left as they are)."""
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         self.recipe = recipe

@@ -45,112 +45,8 @@ import numpy as np
 import torch
 
 from driftcheck import kernels
+from driftcheck.dtypes import DTypeLike, coarser, default_tolerances, eps_tiny, is_exact, known
 from driftcheck.errors import DriftcheckError
-
-DTypeLike = torch.dtype | str
-
-# Unit roundoff u = 2^-(p) for a p-bit significand (implicit bit included): the relative error
-# bound of one rounding to nearest. The spacing eps at 1.0 is 2u. We derive eps from this table,
-# not from torch.finfo, because finfo(float8_e5m2fnuz).eps reports 0.125 where the format (2
-# mantissa bits: 1.25 is representable, 1.125 is not) has 0.25.
-_UNIT_ROUNDOFF: dict[torch.dtype | str, float] = {
-    torch.float64: 2.0**-53,
-    torch.float32: 2.0**-24,
-    "tf32": 2.0**-11,  # fp32 range, 10 mantissa bits
-    torch.float16: 2.0**-11,
-    torch.bfloat16: 2.0**-8,
-    torch.float8_e4m3fn: 2.0**-4,
-    torch.float8_e4m3fnuz: 2.0**-4,
-    torch.float8_e5m2: 2.0**-3,
-    torch.float8_e5m2fnuz: 2.0**-3,
-    torch.float8_e8m0fnu: 2.0**-1,  # MX block scales: powers of two only
-}
-
-# torch.testing.assert_close defaults for fp64/fp32/fp16/bf16.
-_TOLERANCES: dict[torch.dtype | str, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    # Ours, not assert_close's (it has none for these): tf32 shares fp16's unit roundoff; fp8
-    # rtol is one ULP at 1.0 (2u), atol covers values flushed near the bottom of the range.
-    "tf32": (1e-3, 1e-5),
-    torch.float8_e4m3fn: (0.125, 1e-3),
-    torch.float8_e4m3fnuz: (0.125, 1e-3),
-    torch.float8_e5m2: (0.25, 1e-3),
-    torch.float8_e5m2fnuz: (0.25, 1e-3),
-    torch.float8_e8m0fnu: (0.0, 0.0),  # ours: block scales either match or are a binade apart
-}
-
-_ALIASES: dict[str, DTypeLike] = {
-    "fp64": torch.float64, "f64": torch.float64, "double": torch.float64,
-    "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
-    "tf32": "tf32", "tensorfloat32": "tf32",
-    "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-    "e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
-    "e4m3fnuz": torch.float8_e4m3fnuz, "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2,
-    "e5m2fnuz": torch.float8_e5m2fnuz, "fp8_e5m2fnuz": torch.float8_e5m2fnuz,
-    "e8m0": torch.float8_e8m0fnu, "e8m0fnu": torch.float8_e8m0fnu,
-}
-
-
-def _canonical(dtype: DTypeLike) -> DTypeLike:
-    """torch.dtype, or the string "tf32" (no torch dtype): complex -> its component dtype."""
-    if isinstance(dtype, str):
-        name = dtype.strip().lower().removeprefix("torch.")
-        found = _ALIASES.get(name, getattr(torch, name, None))
-        if not isinstance(found, torch.dtype) and found != "tf32":
-            raise DriftcheckError(
-                f"unknown dtype {dtype!r}: use a torch dtype name (float32, bfloat16, "
-                "float8_e4m3fn, int64, ...) or fp64, fp32, tf32, fp16, bf16, e4m3, e5m2"
-            )
-        dtype = found
-    if isinstance(dtype, torch.dtype) and dtype.is_complex:
-        dtype = dtype.to_real()
-    return dtype
-
-
-def _is_exact(dtype: DTypeLike) -> bool:
-    """Integer and bool dtypes: no rounding."""
-    return isinstance(dtype, torch.dtype) and not dtype.is_floating_point
-
-
-def _known(dtype: DTypeLike) -> DTypeLike:
-    d = _canonical(dtype)
-    if not _is_exact(d) and d not in _UNIT_ROUNDOFF:
-        raise DriftcheckError(f"no precision model for dtype {d}: unpack or upcast it before comparing")
-    return d
-
-
-def unit_roundoff(dtype: DTypeLike) -> float:
-    """Unit roundoff u of ``dtype`` (fp32 2^-24, bf16 2^-8, ...); 0.0 for integer/bool dtypes.
-
-    Accepts torch dtypes and names: ``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``, ``"tf32"``,
-    ``"e4m3"``, ... Complex dtypes take their component's roundoff.
-    """
-    d = _known(dtype)
-    return 0.0 if _is_exact(d) else _UNIT_ROUNDOFF[d]
-
-
-def coarser(a: DTypeLike, b: DTypeLike) -> DTypeLike:
-    """The dtype (canonical form: torch.dtype or "tf32") with the larger unit roundoff; ``a`` on ties."""
-    ca, cb = _known(a), _known(b)
-    return cb if unit_roundoff(cb) > unit_roundoff(ca) else ca
-
-
-def default_tolerances(dtype: DTypeLike) -> tuple[float, float]:
-    """``(rtol, atol)`` for ``dtype`` following torch.testing.assert_close; (0, 0) for integers."""
-    d = _known(dtype)
-    return (0.0, 0.0) if _is_exact(d) else _TOLERANCES[d]
-
-
-def _eps_tiny(d: DTypeLike) -> tuple[float, float]:
-    eps = 2.0 * _UNIT_ROUNDOFF[d]
-    tiny = float(torch.finfo(torch.float32 if d == "tf32" else d).tiny)
-    return eps, tiny
 
 
 def ulp(x: torch.Tensor, dtype: DTypeLike) -> torch.Tensor:
@@ -160,11 +56,11 @@ def ulp(x: torch.Tensor, dtype: DTypeLike) -> torch.Tensor:
     spacing is the subnormal step tiny*eps. Inf -> inf, NaN -> NaN. Integer dtypes: 1.
     The formula extends past the dtype's max, so values outside its range still get a spacing.
     """
-    d = _known(dtype)
+    d = known(dtype)
     x = x.to(torch.float64)
-    if _is_exact(d):
+    if is_exact(d):
         return torch.where(torch.isnan(x), x, torch.ones_like(x))
-    eps, tiny = _eps_tiny(d)
+    eps, tiny = eps_tiny(d)
     ax = x.abs()
     _, exp = torch.frexp(ax)  # ax = m * 2^exp, m in [0.5, 1): floor(log2 ax) = exp - 1
     normal = eps * torch.exp2((exp - 1).to(torch.float64))
@@ -230,16 +126,16 @@ class ErrorAccumulator:
 
     def __init__(self, ref_dtype: DTypeLike, tgt_dtype: DTypeLike,
                  rtol: float | None = None, atol: float | None = None) -> None:
-        self.ref_dtype = _known(ref_dtype)
-        self.tgt_dtype = _known(tgt_dtype)
+        self.ref_dtype = known(ref_dtype)
+        self.tgt_dtype = known(tgt_dtype)
         self.coarse = coarser(self.ref_dtype, self.tgt_dtype)
         d_rtol, d_atol = default_tolerances(self.coarse)
         self.rtol: float = d_rtol if rtol is None else float(rtol)
         self.atol: float = d_atol if atol is None else float(atol)
-        if _is_exact(self.coarse):
+        if is_exact(self.coarse):
             self._unit, self._tiny = 0.0, 0.0
         else:
-            self._unit, self._tiny = _eps_tiny(self.coarse)
+            self._unit, self._tiny = eps_tiny(self.coarse)
         self._n = 0
         self._sums = {f: _Sum() for f in ("abs", "sq", "rr", "tt", "rt", "ref_sq", "tgt_sq")}
         self._counts = dict.fromkeys(

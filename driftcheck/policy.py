@@ -32,6 +32,7 @@ from typing import Any
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.report import Finding
+from driftcheck.store.format import PHASES
 
 # Measured (docs/noise-floor.md, docs/diagnosis.md): clean fp32-vs-bf16/fp16/fp8 runs and the
 # no-fault controls stay below 2.3; faults of 4x the floor reach >= 4.0. 3.5 keeps both margins.
@@ -40,7 +41,6 @@ DEFAULT_LIMIT = 3.5
 # ``precision.*`` findings are warnings: a precision setting that differs explains drift,
 # it is not a defect by itself.
 DEFAULT_FAIL_ON = ("batchnorm", "view", "inplace", "nonfinite", "alignment")
-PHASES = ("params", "forward", "loss", "backward", "grads", "optimizer")
 FILE_NAME = "driftcheck.toml"
 
 _TOP_KEYS = {"limit", "steps", "fail_on", "module", "overrides", "ignore"}

@@ -1,7 +1,7 @@
 """A small MLP classifier with Dropout: the simplest model that has randomness in its forward.
 
 Dropout is why it is here: a target device must reproduce the reference's dropout masks
-(made on CPU, see driftcheck/rng.py) or every activation after the first Dropout differs.
+(made on CPU, see driftcheck/record/rng.py) or every activation after the first Dropout differs.
 """
 from __future__ import annotations
 

@@ -1,7 +1,12 @@
-"""Shared fixtures: traces of the built-in models, recorded once per test session."""
+"""Shared fixtures and helpers: traces of the built-in models (recorded once per session), the
+CLI in a subprocess and in-process, user scenarios (tests/data/user_scenarios.py), and the
+one-line-error and incomplete-trace assertions."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ BUILTINS = ("mlp", "resnet", "llama", "vit")
 def record_builtin(name: str, out: Path, *, dtype: str = "fp32", replay: Path | None = None,
                    **kwargs) -> Path:
     from driftcheck.loader import load_scenario
-    from driftcheck.runner import record
+    from driftcheck.record.runner import record
 
     return record(load_scenario(name), out, dtype=dtype, replay=replay, force=True,
                   model_id=name, **kwargs)
@@ -35,3 +40,71 @@ def traces(tmp_path_factory) -> dict[str, dict[str, Path]]:
             "bf16": record_builtin(name, root / f"{name}-bf16", dtype="bf16", replay=ref),
         }
     return out
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1", NO_COLOR="1")
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def dc(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``driftcheck ARGS`` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "driftcheck", *args], capture_output=True,
+                          text=True, env=ENV, cwd=cwd, timeout=600)
+
+
+def run_cli(args: list, capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    """Run ``driftcheck ARGS`` in-process through ``main()`` (the console script's error mapping)."""
+    from driftcheck.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return ei.value.code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> str:
+    """Exit 2, exactly one line on stderr that starts with ``driftcheck:``, no traceback."""
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit {code}: {err}"
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    line = lines[0]
+    assert line.startswith("driftcheck: "), line
+    assert "Traceback" not in err and "report it" not in line, line  # not an "unexpected" crash
+    for n in needles:
+        assert n in line, f"{n!r} not in {line!r}"
+    return line
+
+
+def assert_not_complete(d: Path) -> None:
+    """Nothing that passes as a complete trace: no manifest, no temp shard left behind."""
+    assert not (d / "manifest.json").exists()
+    assert not list(d.glob(".*.tmp")), list(d.iterdir())
+
+
+# -- user scenarios and models ---------------------------------------------------------------------
+def write_scenarios(d: Path) -> Path:
+    """The user scenarios as ``d/scenarios.py``: the loader imports them like a user's file."""
+    p = d / "scenarios.py"
+    shutil.copyfile(DATA / "user_scenarios.py", p)
+    return p
+
+
+def record_trace(scen: Path, fn: str, out: Path, **kwargs) -> Path:
+    """Record a user scenario through the library (fixtures; the tests go through the CLI)."""
+    from driftcheck.loader import load_scenario
+    from driftcheck.record.runner import record
+
+    spec = f"{scen}:{fn}"
+    return record(load_scenario(spec), out, force=True, model_id=spec, **kwargs)
+
+
+def a_middle_linear(name: str) -> str:
+    """The middle nn.Linear of a built-in model (where the fault benches inject)."""
+    from torch import nn
+
+    from driftcheck.loader import load_scenario
+
+    lins = [n for n, m in load_scenario(name).model.named_modules() if isinstance(m, nn.Linear)]
+    return lins[len(lins) // 2]

@@ -18,221 +18,11 @@ from typing import Callable
 
 import pytest
 
-from driftcheck.cli import main
-
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
 UPDATE_DOCS = os.environ.get("DRIFTCHECK_UPDATE_DOCS") == "1"
 
-# User scenarios, written into the test's temp dir: the loader imports them like a user file.
-SCENARIOS = r'''
-import time
-import torch
-from torch import nn
-from driftcheck import Scenario
-
-
-class Tiny(nn.Module):
-    def __init__(self, hidden=3):
-        super().__init__()
-        self.fc1 = nn.Linear(4, hidden)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(hidden, 2)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-def _sgd(p):
-    return torch.optim.SGD(p, lr=0.1)
-
-
-def _mse(out, batch):
-    return out.pow(2).mean()
-
-
-def build(seed=0):
-    torch.manual_seed(seed)
-    return Scenario(model=Tiny(), inputs=[torch.randn(5, 4), torch.randn(5, 4)], loss=_mse,
-                    optimizer=_sgd, steps=2)
-
-
-def wide(seed=0):  # the same module names, another hidden size
-    torch.manual_seed(seed)
-    return Scenario(model=Tiny(hidden=5), inputs=[torch.randn(5, 4), torch.randn(5, 4)],
-                    loss=_mse, optimizer=_sgd, steps=2)
-
-
-class Other(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder = nn.Linear(4, 6)
-        self.decoder = nn.Linear(6, 2)
-
-    def forward(self, x):
-        return self.decoder(torch.tanh(self.encoder(x)))
-
-
-def other(seed=0):
-    torch.manual_seed(seed)
-    return Scenario(model=Other(), inputs=[torch.randn(5, 4), torch.randn(5, 4)], loss=_mse,
-                    optimizer=_sgd, steps=2)
-
-
-class Odd(nn.Module):
-    """Scalar, zero-size, integer, bool and complex tensors as params, buffers, inputs, outputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
-        self.scale = nn.Parameter(torch.tensor(1.5))               # scalar parameter
-        self.empty = nn.Parameter(torch.zeros(0, 3))               # zero-size parameter
-        self.rot = nn.Parameter(torch.tensor([1 + 1j, 0.5 - 2j, 1j]))  # complex parameter
-        self.register_buffer("count", torch.tensor(0))              # integer scalar buffer
-        self.register_buffer("mask", torch.tensor([True, False, True]))
-        self.register_buffer("phase", torch.tensor([1 + 2j, 3 - 1j, 0.5j]))
-
-    def forward(self, x, idx, flag):
-        self.count += 1
-        h = self.lin(x) * self.scale + self.empty.sum()
-        c = torch.view_as_real(self.phase * self.rot).sum(-1)
-        return {"y": h + c.to(h.dtype), "idx": idx * 2, "flag": flag & self.mask,
-                "total": h.sum(), "none": h[:0], "cplx": self.rot * 2}
-
-
-def odd(seed=0):
-    torch.manual_seed(seed)
-    batch = {"x": torch.randn(2, 4), "idx": torch.arange(3),
-             "flag": torch.tensor([True, True, False])}
-    return Scenario(model=Odd(), inputs=batch, loss=lambda out, b: out["y"].pow(2).mean(),
-                    optimizer=_sgd, steps=2)
-
-
-def nan_ref(seed=0):  # the reference input itself holds a NaN
-    torch.manual_seed(seed)
-    x = torch.randn(5, 4)
-    x[0, 0] = float("nan")
-    return Scenario(model=Tiny(), inputs=x, loss=lambda o, b: o.nansum(), optimizer=_sgd)
-
-
-def empty(seed=0):
-    return Scenario(model=nn.Sequential(), inputs=torch.randn(2, 3), loss=lambda o, b: o.sum())
-
-
-def empty_inference(seed=0):
-    return Scenario(model=nn.Sequential(), inputs=torch.randn(2, 3))
-
-
-def frozen(seed=0):
-    torch.manual_seed(seed)
-    m = Tiny()
-    m.requires_grad_(False)
-    return Scenario(model=m, inputs=torch.randn(5, 4), loss=_mse, optimizer=_sgd)
-
-
-def frozen_inference(seed=0):
-    torch.manual_seed(seed)
-    return Scenario(model=Tiny().requires_grad_(False), inputs=torch.randn(5, 4))
-
-
-def raises(seed=0):
-    raise RuntimeError("cannot build: config missing")
-
-
-def wrong_type(seed=0):
-    return {"model": Tiny()}
-
-
-def not_a_module(seed=0):
-    return Scenario(model="Tiny", inputs=torch.randn(5, 4))
-
-
-def forward_raises(seed=0):
-    class Broken(Tiny):
-        def forward(self, x):
-            raise ValueError("shapes do not line up")
-    return Scenario(model=Broken(), inputs=torch.randn(5, 4), loss=_mse)
-
-
-def loss_raises(seed=0):
-    def bad_loss(out, batch):
-        raise KeyError("targets")
-    return Scenario(model=Tiny(), inputs=torch.randn(5, 4), loss=bad_loss)
-
-
-def loss_not_scalar(seed=0):
-    return Scenario(model=Tiny(), inputs=torch.randn(5, 4), loss=lambda o, b: o)
-
-
-def loss_detached(seed=0):
-    return Scenario(model=Tiny(), inputs=torch.randn(5, 4), loss=lambda o, b: o.detach().sum())
-
-
-def kind_flip(seed=0):  # a target whose output turns complex where the reference is real
-    class Flip(Tiny):
-        def forward(self, x):
-            y = super().forward(x)
-            return y.to(torch.complex64) if y.dtype == torch.bfloat16 else y
-    torch.manual_seed(seed)
-    return Scenario(model=Flip(), inputs=torch.randn(5, 4))
-
-
-def fails_later(seed=0):  # the forward fails at step 1, after step 0 was captured
-    class Flaky(Tiny):
-        def forward(self, x):
-            self.calls = getattr(self, "calls", 0) + 1
-            if self.calls == 2:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return super().forward(x)
-    torch.manual_seed(seed)
-    return Scenario(model=Flaky(), inputs=[torch.randn(5, 4), torch.randn(5, 4)], loss=_mse,
-                    optimizer=_sgd, steps=2)
-
-
-def slow(seed=0):  # for the interrupt tests: many slow steps
-    class Slow(Tiny):
-        def forward(self, x):
-            time.sleep(0.05)
-            return super().forward(x)
-    torch.manual_seed(seed)
-    return Scenario(model=Slow(), inputs=torch.randn(5, 4), loss=_mse, optimizer=_sgd, steps=400)
-
-
-def hostile(seed=0):
-    """Module names carrying HTML, script and terminal-markup payloads."""
-    torch.manual_seed(seed)
-    m = nn.Sequential()
-    m.add_module("<script>alert(1)</script>", nn.Linear(4, 4))
-    m.add_module("</script><script>alert(2)</script>", nn.Tanh())
-    m.add_module("<img src=x onerror=alert(3)>", nn.Linear(4, 3))
-    m.add_module("[/]x[bold red]y", nn.ReLU())
-    m.add_module("q\"'&amp;", nn.Linear(3, 2))
-    return Scenario(model=m, inputs=torch.randn(3, 4), loss=_mse, optimizer=_sgd)
-'''
-
-
-def write_scenarios(d: Path) -> Path:
-    p = d / "scenarios.py"
-    p.write_text(SCENARIOS)
-    return p
-
-
-def record_trace(scen: Path, fn: str, out: Path, **kwargs) -> Path:
-    """Record a user scenario through the library (fixtures; the tests go through the CLI)."""
-    from driftcheck.loader import load_scenario
-    from driftcheck.runner import record
-
-    spec = f"{scen}:{fn}"
-    return record(load_scenario(spec), out, force=True, model_id=spec, **kwargs)
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    """Run ``driftcheck ARGS`` in-process through ``main()`` (the console script's error mapping)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as ei:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return ei.value.code, out, err
+from conftest import assert_not_complete, assert_one_line_error, record_trace, run_cli, write_scenarios
 
 
 def record_ref_and_bf16(scen_fn: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> tuple[Path, Path]:
@@ -243,23 +33,8 @@ def record_ref_and_bf16(scen_fn: str, tmp_path: Path, capsys: pytest.CaptureFixt
     return ref, tgt
 
 
-def assert_one_line_error(code: int, err: str, *needles: str) -> str:
-    """Exit 2, exactly one line on stderr that starts with ``driftcheck:``, no traceback."""
-    lines = err.strip().splitlines()
-    assert code == 2, f"exit {code}: {err}"
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    line = lines[0]
-    assert line.startswith("driftcheck: "), line
-    assert "Traceback" not in err and "report it" not in line, line  # not an "unexpected" crash
-    for n in needles:
-        assert n in line, f"{n!r} not in {line!r}"
-    return line
 
 
-def assert_not_complete(d: Path) -> None:
-    """Nothing that passes as a complete trace: no manifest, no temp shard left behind."""
-    assert not (d / "manifest.json").exists()
-    assert not list(d.glob(".*.tmp")), list(d.iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -813,9 +588,10 @@ def test_no_code_runs_from_trace_files():
             if forbidden.search(line) and "nothing is ever unpickled" not in line.lower()
             and not line.strip().startswith("#")]
     assert hits == []
-    # The trace readers go through safetensors.safe_open, our own header parser and json only.
-    store = (pkg / "store.py").read_text()
-    assert "safe_open" in store and "json.loads" in store
+    # One reader: the trace files are read through our own safetensors header parser and json
+    # only (driftcheck/store/shard.py), never through a second parser.
+    store = "".join(p.read_text() for p in sorted((pkg / "store").glob("*.py")))
+    assert "safe_open" not in store and "json.loads" in (pkg / "store" / "shard.py").read_text()
 
 
 def test_pickle_payload_in_a_trace_is_never_executed(env, tmp_path, capsys):

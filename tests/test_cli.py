@@ -2,20 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1", NO_COLOR="1")
-
-
-def dc(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "driftcheck", *args], capture_output=True,
-                          text=True, env=ENV, cwd=cwd, timeout=600)
+from conftest import ENV, dc
 
 
 def one_line_error(p: subprocess.CompletedProcess) -> str:

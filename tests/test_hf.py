@@ -156,7 +156,7 @@ def test_whisper_batch_is_log_mel_with_shifted_decoder_ids() -> None:
     assert (span <= 2.0 + 1e-6).all() and (span > 0.5).all()
     tone = torch.sin(torch.arange(2400.0)).expand(2, -1)
     half_silent = torch.cat([tone, torch.zeros(2, 2720)], dim=1)
-    quiet = hf._log_mel(half_silent, 16, 32)  # silence hits the clamp: span exactly 8 / 4
+    quiet = hf.batches._log_mel(half_silent, 16, 32)  # silence hits the clamp: span exactly 8 / 4
     assert torch.allclose(quiet.amax(dim=(1, 2)) - quiet.amin(dim=(1, 2)), torch.tensor(2.0))
     ids, labels = batch["decoder_input_ids"], batch["labels"]
     assert (ids[:, 0] == config.decoder_start_token_id).all()

@@ -15,7 +15,7 @@ from hf_families import run_family  # noqa: E402
 from driftcheck import hf  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
 from driftcheck.loader import load_scenario  # noqa: E402
-from driftcheck.runner import record  # noqa: E402
+from driftcheck.record.runner import record  # noqa: E402
 
 FAMILIES = list(hf.FAMILIES)
 

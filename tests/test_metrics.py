@@ -11,14 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.dtypes import coarser, default_tolerances, unit_roundoff
 from driftcheck.metrics import (
     ErrorAccumulator,
-    coarser,
-    default_tolerances,
     error_histogram,
     tensor_error,
     ulp,
-    unit_roundoff,
 )
 from driftcheck.metrics import _as_array, _flat_chunks, _Sum
 

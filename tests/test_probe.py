@@ -10,7 +10,8 @@ from rich.console import Console
 
 from driftcheck import simulate
 from driftcheck.errors import DriftcheckError
-from driftcheck.probe import PROGRAMS, ProbeResult, probe_main, run_probe
+from driftcheck.cli import probe_main
+from driftcheck.probe import PROGRAMS, ProbeResult, run_probe
 
 VIEW_WRITES = {  # writes through a view: both view defects must break them
     "index_assign_int", "index_assign_slice", "index_assign_strided_slice", "slice_view_write",

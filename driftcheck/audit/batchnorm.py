@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from driftcheck import dtypes
 from driftcheck.report import Finding
 
 __all__ = ["audit_call", "is_tracked_norm", "snapshot"]
@@ -123,8 +124,8 @@ def audit_call(
     if instance and input.dim() == module._get_no_batch_dim():
         input = input.unsqueeze(0)  # unbatched (C, *): _InstanceNorm runs it as a batch of one
     batch_mean, batch_var, scale_mean, scale_var, n = _batch_stats(input, instance)
-    u_buf = _unit_roundoff(before["running_mean"].dtype)
-    u_acc = _unit_roundoff(_opmath(input.dtype)) + _unit_roundoff(_acc_dtype(input))
+    u_buf = dtypes.unit_roundoff(before["running_mean"].dtype)
+    u_acc = dtypes.unit_roundoff(_opmath(input.dtype)) + dtypes.unit_roundoff(_acc_dtype(input))
     checks = []
     for name, batch, scale in (("running_mean", batch_mean, scale_mean),
                                ("running_var", batch_var, scale_var)):
@@ -135,7 +136,7 @@ def audit_call(
         # dtype, ~sqrt(n) growth), both measured against magnitudes, not the result.
         magnitude = (1.0 - factor) * old.abs() + factor * batch.abs() + expected.abs()
         tol = _SLACK * (u_buf * magnitude + factor * u_acc * math.sqrt(n) * scale)
-        tol = tol + _tiny(before[name].dtype)
+        tol = tol + dtypes.tiny(dtypes.name_of(before[name].dtype))
         checks.append((name, old, new, expected, tol))
 
     any_moved = moved["running_mean"] or moved["running_var"]
@@ -237,13 +238,3 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _unit_roundoff(dtype: torch.dtype) -> float:
-    if not dtype.is_floating_point:
-        return 0.0
-    return float(torch.finfo(dtype).eps) / 2.0
-
-
-def _tiny(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).tiny) if dtype.is_floating_point else 0.0

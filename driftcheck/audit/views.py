@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from driftcheck import dtypes
 from driftcheck.report import Finding
 
 __all__ = ["ViewAudit", "compare_events"]
@@ -187,7 +188,7 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
     if rv and tv:
         tol = tolerance(r, t) if callable(tolerance) else tolerance
         if tol is None:
-            tol = 16 * max(_unit_roundoff(r["dtype"]), _unit_roundoff(t["dtype"]))
+            tol = 16 * max(dtypes.unit_roundoff(r["dtype"]), dtypes.unit_roundoff(t["dtype"]))
         err = _value_error(rv, tv)
         if err > tol:
             return finding("inplace.value_mismatch",
@@ -309,10 +310,3 @@ def _value_error(r: dict[str, float], t: dict[str, float]) -> float:
             return math.inf
         err = max(err, diff / magnitude if magnitude > 0 else math.inf)
     return err
-
-
-def _unit_roundoff(dtype: str) -> float:
-    d = getattr(torch, dtype, None)
-    if isinstance(d, torch.dtype) and d.is_floating_point:
-        return float(torch.finfo(d).eps) / 2.0
-    return 0.0

@@ -1,0 +1,156 @@
+"""The command line's shared parts: the context object, the options every command takes, the
+argument parsers, and writing a report's outputs. Exit codes: 0 pass, 1 gate failed, 2 bad input.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.version import __version__
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Ctx:
+    def __init__(self, debug: bool, quiet: bool, no_color: bool) -> None:
+        self.debug, self.quiet = debug, quiet
+        self.no_color = no_color or bool(os.environ.get("NO_COLOR"))
+
+    def console(self, stderr: bool = False) -> Any:
+        from rich.console import Console
+
+        console = Console(stderr=stderr, no_color=self.no_color, highlight=False,
+                          force_terminal=None if not self.no_color else False, soft_wrap=True)
+        if not console.is_terminal:
+            console.width = 120  # logs and CI pages: rich's 80-column default folds every key
+        return console
+
+
+def _everywhere(f: Any) -> Any:
+    """--quiet, --no-color and --debug are accepted after the command name too."""
+    def quiet(ctx: click.Context, _p: Any, value: bool) -> None:
+        if value:
+            ctx.find_object(_Ctx).quiet = True
+
+    def no_color(ctx: click.Context, _p: Any, value: bool) -> None:
+        if value:
+            ctx.find_object(_Ctx).no_color = True
+
+    f = click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=quiet,
+                     help="Print the verdict line only.")(f)
+    f = click.option("--no-color", is_flag=True, expose_value=False, callback=no_color,
+                     help="No colors.")(f)
+    return click.option("--debug", is_flag=True, expose_value=False,
+                        help="Show tracebacks for errors.")(f)
+
+
+def _ranges(spec: str | None) -> list[int] | None:
+    """'0-2,5' -> [0, 1, 2, 5]."""
+    if not spec:
+        return None
+    out: list[int] = []
+    try:
+        for part in spec.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise DriftcheckError(f"bad step range {spec!r}: use e.g. 0-2,5") from None
+    if any(s < 0 for s in out):
+        raise DriftcheckError(f"bad step range {spec!r}: steps are non-negative")
+    return out
+
+
+def _phases(spec: str | None) -> list[str] | None:
+    from driftcheck.store.format import SELECTABLE_PHASES
+
+    if not spec:
+        return None
+    phases = [p.strip() for p in spec.split(",") if p.strip()]
+    bad = [p for p in phases if p not in SELECTABLE_PHASES]
+    if bad or not phases:
+        raise DriftcheckError(f"bad --phases {spec!r}: choose from {','.join(SELECTABLE_PHASES)}")
+    return phases
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.option("--quiet", "-q", is_flag=True, help="Print the verdict line only.")
+@click.option("--no-color", is_flag=True, help="No colors (NO_COLOR is respected too).")
+@click.version_option(__version__, prog_name="driftcheck")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool, quiet: bool, no_color: bool) -> None:
+    """driftcheck: does the model compute the same numbers on the new accelerator?
+
+    Record a reference and a target training step, then compare them tensor by tensor against
+    a precision-aware noise floor. Exit codes: 0 pass, 1 drift or findings beyond policy,
+    2 bad input.
+    """
+    ctx.obj = _Ctx(debug, quiet, no_color)
+
+
+def _progress(obj: _Ctx) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=obj.console(stderr=True), transient=True,
+                    disable=obj.quiet or not sys.stderr.isatty())
+
+
+# -- compare ------------------------------------------------------------------------------------
+def _outputs_options(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--json", "json_path", type=click.Path(), default=None, help="Write the JSON report."),
+        click.option("--html", "html_path", type=click.Path(), default=None, help="Write the HTML report."),
+        click.option("--junit", "junit_path", type=click.Path(), default=None, help="Write JUnit XML."),
+        click.option("--summary-md", "md_path", type=click.Path(), default=None, help="Write a Markdown summary."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _write_outputs(report: Any, json_path: str | None, html_path: str | None,
+                   junit_path: str | None, md_path: str | None) -> None:
+    def write(path: str, text: str) -> None:
+        try:
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise DriftcheckError(f"cannot write {path}: {e.strerror}") from None
+
+    if json_path:
+        write(json_path, json.dumps(report.to_dict(), indent=1, allow_nan=False, default=str))
+    if html_path:
+        from driftcheck.report.html import render_html
+
+        write(html_path, render_html(report))
+    if junit_path:
+        from driftcheck.report.junit import render_junit
+
+        write(junit_path, render_junit(report))
+    if md_path:
+        from driftcheck.report.markdown import render_markdown
+
+        write(md_path, render_markdown(report))
+
+
+def _finish(obj: _Ctx, report: Any, top: int, json_path: str | None, html_path: str | None,
+            junit_path: str | None, md_path: str | None) -> None:
+    from driftcheck.report.terminal import render_terminal
+
+    _write_outputs(report, json_path, html_path, junit_path, md_path)
+    render_terminal(report, obj.console(), top=top, quiet=obj.quiet)
+    raise SystemExit(EXIT_PASS if report else EXIT_FAIL)
+
+
+def _one_line(text: str) -> str:
+    """Messages quote module names from user code: keep them to one printable line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))

@@ -1,0 +1,301 @@
+"""The commands: one small function each, that parses and hands off (help text in docstrings).
+
+torch is imported only inside commands, after the device is known, so a CPU/CUDA reference never
+autoloads torch_tpu.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from driftcheck.cli.app import (
+    EXIT_FAIL,
+    EXIT_PASS,
+    _Ctx,
+    _everywhere,
+    _finish,
+    _outputs_options,
+    _phases,
+    _progress,
+    _ranges,
+    _write_outputs,
+    cli,
+)
+from driftcheck.errors import DriftcheckError
+
+
+# -- models -------------------------------------------------------------------------------------
+@cli.command()
+@_everywhere
+@click.pass_obj
+def models(obj: _Ctx) -> None:
+    """List the built-in models and the Hugging Face families."""
+    from driftcheck import models as builtin
+
+    click.echo("built-in models:")
+    for name, desc in sorted(builtin.BUILTINS.items()):
+        click.echo(f"  {name:14s} {desc}")
+    try:
+        from driftcheck import hf
+
+        avail = hf.is_available()
+        click.echo("Hugging Face families (hf:<family>, needs transformers: pip install 'driftcheck[hf]')"
+                   + ("" if avail else " [transformers not installed]") + ":")
+        for name, desc in sorted(hf.FAMILIES.items()):
+            click.echo(f"  hf:{name:11s} {desc}")
+    except ImportError:
+        pass
+    click.echo("or your own: path/to/file.py:build, package.module:build (returns driftcheck.Scenario)")
+
+
+# -- record -------------------------------------------------------------------------------------
+@cli.command()
+@click.argument("model")
+@click.option("--out", "-o", required=True, type=click.Path(), help="Trace directory to create.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda[:N], tpu, mps, xpu or a PrivateUse1 name.")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32, bf16, fp16 or fp64.")
+@click.option("--steps", type=int, default=None, help="Training steps (default: the scenario's).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
+@click.option("--replay", type=click.Path(), default=None, help="Start from this reference trace's weights and inputs.")
+@click.option("--force", is_flag=True, help="Overwrite an existing trace directory.")
+@click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True,
+              help="full tensors, statistics + a seeded sample, or stats with full tensors for --full-modules.")
+@click.option("--include", multiple=True, help="Only these module globs (repeatable).")
+@click.option("--exclude", multiple=True, help="Not these module globs (repeatable).")
+@click.option("--full-modules", multiple=True, help="With --mode auto: module globs kept in full.")
+@click.option("--phases", default=None, help="Subset of forward,backward,grads,optimizer.")
+@click.option("--capture-steps", default=None, help="Steps to capture, e.g. 0-1,3 (all by default).")
+@click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched", show_default=True,
+              help="One device-to-host copy per step, or one per capture (more sync points).")
+@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None, help="Run the forward under torch.autocast.")
+@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium"]), default=None,
+              help="torch.set_float32_matmul_precision for this run.")
+@click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
+              help="Emulated fp8 training of Linear layers (torch._scaled_mm).")
+@click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
+              help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
+                   "in OUT/rank-N (see docs/performance.md).")
+@click.option("--local", "local", type=click.Path(), default=None,
+              help="Also rerun every leaf module on this reference's inputs (use with --replay REF): "
+                   "compare then separates each module's own error from what it inherits.")
+@click.option("--simulate", type=click.Choice(["views-become-copies", "drop-view-writes", "skip-bn-stats"]),
+              default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
+@_everywhere
+@click.pass_obj
+def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
+           replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
+           full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
+           autocast: str | None, matmul_precision: str | None, fp8: str | None,
+           view_audit: bool, local: str | None, simulate: str | None,
+           parallel: str | None) -> None:
+    """Record MODEL's training steps into a trace directory.
+
+    MODEL is a built-in name (driftcheck models), hf:<family>, hf:PATH,
+    path/to/file.py:build or package.module:build.
+    """
+    from driftcheck import devices
+
+    dev_type, _ = devices.parse_device(device)
+    devices.prepare_environment(dev_type)
+    if steps is not None and steps < 1:
+        raise DriftcheckError(f"--steps must be at least 1, got {steps}")
+    # With --parallel each rank checks its own OUT/rank-N (the ranks create them concurrently).
+    if not parallel and Path(out).exists() and not force \
+            and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it or choose "
+                              "another directory")
+    from driftcheck.record.runner import parse_dtype
+
+    parse_dtype(dtype)
+    torch_device = devices.open_device(device)
+    if matmul_precision:
+        from driftcheck import precision
+
+        precision.apply_settings(matmul_precision=matmul_precision)
+    from driftcheck.loader import load_scenario
+    from driftcheck.record.runner import record as do_record
+
+    scenario = load_scenario(model, seed)
+    progress = _progress(obj)
+    with progress as p:
+        task = p.add_task(f"recording {model} on {device} {dtype}", total=steps or scenario.steps)
+        out = str(do_record(
+            scenario, out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
+            mode=mode, force=force, model_id=model, include=include, exclude=exclude,
+            full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
+            transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
+            simulate=simulate, parallel=parallel,
+            on_step=lambda i, n: p.update(task, completed=i, total=n)))
+    if not obj.quiet:
+        from driftcheck.store import TraceReader
+
+        reader = TraceReader(out)
+        click.echo(f"recorded {len(reader.entries)} tensors over {reader.run['steps']} step(s) "
+                   f"into {out}")
+        seen: dict[tuple[str, str], int] = {}
+        for f in reader.manifest.get("findings", []):
+            seen[(f["kind"], f["module"])] = seen.get((f["kind"], f["module"]), 0) + 1
+        for (kind, module), n in seen.items():
+            click.echo(f"finding {kind} in {module or '(model)'} ({n} call(s)); driftcheck compare shows it")
+
+
+
+
+@cli.command()
+@click.argument("ref", type=click.Path())
+@click.argument("target", type=click.Path())
+@click.option("--truth", type=click.Path(), default=None, help="A float64 record of the same replay.")
+@click.option("--policy", "policy_path", type=click.Path(), default=None,
+              help="Policy file (default: driftcheck.toml or [tool.driftcheck] in pyproject.toml).")
+@click.option("--limit", type=float, default=None, help="Override every ratio limit.")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
+@_outputs_options
+@_everywhere
+@click.pass_obj
+def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: str | None,
+            limit: float | None, top: int, json_path: str | None, html_path: str | None,
+            junit_path: str | None, md_path: str | None) -> None:
+    """Compare TARGET against REF; exit 0 pass, 1 fail, 2 bad input."""
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    if limit is not None and not limit > 0:
+        raise DriftcheckError(f"--limit must be positive, got {limit}")
+    from driftcheck.compare import compare as do_compare
+    from driftcheck.compare.ranks import compare_ranks
+    from driftcheck.policy import Policy
+    from driftcheck.store.layout import is_multirank
+
+    policy = Policy.load(policy_path, search_dir=".")
+    if is_multirank(ref) or is_multirank(target):
+        # Run directories of a torchrun record (rank-0, rank-1, ...): rank by rank, one verdict.
+        report = compare_ranks(ref, target, policy=policy, limit=limit, truth=truth)
+    else:
+        report = do_compare(ref, target, policy=policy, limit=limit, truth=truth)
+    _finish(obj, report, top, json_path, html_path, junit_path, md_path)
+
+
+
+
+# -- report -------------------------------------------------------------------------------------
+@cli.command()
+@click.argument("report_json", type=click.Path())
+@_outputs_options
+@_everywhere
+@click.pass_obj
+def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | None,
+           junit_path: str | None, md_path: str | None) -> None:
+    """Render a saved REPORT.json as HTML, JUnit or Markdown; exit code as the verdict."""
+    from driftcheck.report import Report
+
+    try:
+        raw = Path(report_json).read_bytes()
+    except OSError as e:
+        raise DriftcheckError(f"cannot read {report_json}: {e.strerror}") from None
+    try:
+        rep = Report.from_dict(json.loads(raw))
+    except (ValueError, TypeError, KeyError) as e:
+        raise DriftcheckError(f"{report_json} is not a driftcheck report ({e})") from None
+    if not any((json_path, html_path, junit_path, md_path)):
+        raise DriftcheckError("nothing to do: pass --html FILE, --junit FILE, --summary-md FILE or --json FILE")
+    _write_outputs(rep, json_path, html_path, junit_path, md_path)
+    if not obj.quiet:
+        click.echo(f"{rep.verdict.upper()} {rep.decided_by}")
+    raise SystemExit(EXIT_PASS if rep else EXIT_FAIL)
+
+
+# -- probe --------------------------------------------------------------------------------------
+@cli.command()
+@click.option("--device", required=True, help="Device to check against CPU.")
+@click.option("--json", "json_path", type=click.Path(), default=None, help="Write results as JSON.")
+@_everywhere
+@click.pass_obj
+def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
+    """Run the view/in-place conformance suite on DEVICE against CPU; exit 1 on any mismatch."""
+    from driftcheck import devices
+
+    dev_type, _ = devices.parse_device(device)
+    devices.prepare_environment(dev_type)
+    devices.open_device(device)
+    raise SystemExit(probe_main(device, json_path, console=obj.console()))
+
+
+def probe_main(device: str, json_path: str | None = None, reference: str = "cpu",
+               console: Any = None, fault: Any = None) -> int:
+    """Run the suite, print its table, optionally write its JSON; the exit code (0 pass, 1 not).
+    ``fault``: a context-manager factory (driftcheck.simulate.*) around the device runs."""
+    from rich.console import Console
+
+    from driftcheck.probe import probe_document, run_probe
+    from driftcheck.report.probe import render_probe
+
+    results = run_probe(device, reference, fault)
+    render_probe(results, console or Console(), device, reference)
+    if json_path:
+        try:
+            Path(json_path).write_text(json.dumps(probe_document(results, device, reference), indent=2),
+                                       encoding="utf-8")
+        except OSError as err:
+            raise DriftcheckError(f"cannot write probe JSON to {json_path}: {err.strerror}; "
+                                  "choose a writable path for --json") from err
+    return 0 if all(results) else 1
+
+
+# -- run ----------------------------------------------------------------------------------------
+@cli.command()
+@click.argument("model")
+@click.option("--reference", "ref_device", default="cpu", show_default=True, help="Reference device.")
+@click.option("--target", "tgt_device", required=True, help="Target device (tpu, cuda, cpu ...).")
+@click.option("--reference-dtype", default="fp32", show_default=True)
+@click.option("--target-dtype", default="fp32", show_default=True)
+@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None, help="Target forward under autocast.")
+@click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None, help="Target Linear layers in emulated fp8.")
+@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium"]), default=None,
+              help="Target's float32 matmul precision.")
+@click.option("--truth", type=click.Choice(["fp64"]), default=None, help="Also record a float64 truth on CPU.")
+@click.option("--local", "local", is_flag=True,
+              help="Rerun every leaf module of the target on the reference's inputs: separates each "
+                   "module's own error from what it inherits (needs --mode full).")
+@click.option("--out", "-o", required=True, type=click.Path(), help="Run directory (traces and reports).")
+@click.option("--steps", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite an existing run directory.")
+@click.option("--policy", "policy_path", type=click.Path(), default=None)
+@click.option("--limit", type=float, default=None)
+@click.option("--html/--no-html", "html", default=True, show_default=True, help="Write report.html.")
+@click.option("--junit", "junit_path", type=click.Path(), default=None)
+@click.option("--summary-md", "md_path", type=click.Path(), default=None)
+@_everywhere
+@click.pass_obj
+def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
+        target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
+        truth: str | None, local: bool, out: str, steps: int | None, seed: int, mode: str, force: bool,
+        policy_path: str | None, limit: float | None, html: bool, junit_path: str | None,
+        md_path: str | None) -> None:
+    """Record truth (optional), reference and target, each in its own process, and compare.
+
+    On a TPU VM: driftcheck run MODEL --reference cpu --target tpu --out run/
+    Before buying hardware: driftcheck run MODEL --target cpu --target-dtype bf16 --out run/
+    """
+    from driftcheck.record.run import Sides, record_sides
+
+    sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
+                  reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
+                  fp8=fp8, matmul_precision=matmul_precision, truth=truth, local=local,
+                  steps=steps, seed=seed, mode=mode, force=force)
+    out_dir, ref_dir, tgt_dir, truth_dir = record_sides(
+        sides, debug=obj.debug, say=None if obj.quiet else (lambda m: click.echo(m, err=True)))
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    from driftcheck.compare import compare as do_compare
+    from driftcheck.policy import Policy
+
+    report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,
+                        truth=str(truth_dir) if truth else None)
+    if not obj.quiet:
+        click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
+    _finish(obj, report, 10, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
+            junit_path, md_path)

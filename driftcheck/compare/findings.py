@@ -1,0 +1,122 @@
+"""Findings: what compare reports besides drift (alignment, the traces' own findings, fp8
+casts, NaN/Inf origin, precision settings, view events); methods of the Comparison.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from driftcheck import dtypes
+from driftcheck.report import NONFINITE, Entry, Finding
+
+
+class Findings:
+    """The findings half of :class:`driftcheck.compare.Comparison`."""
+
+    def _alignment_findings(self, ref_map: dict, tgt_map: dict) -> None:
+        missing: dict[str, list] = defaultdict(list)
+        extra: dict[str, list] = defaultdict(list)
+        for k, e in ref_map.items():
+            if k not in tgt_map:
+                missing[e.module].append(e)
+        for k, e in tgt_map.items():
+            if k not in ref_map:
+                extra[e.module].append(e)
+        for mod, es in missing.items():
+            self.findings.append(Finding(
+                "alignment.missing_in_target", mod, es[0].step,
+                f"{len(es)} tensor(s) recorded on the reference are missing on the target "
+                f"(e.g. {es[0].key}): the target skipped or renamed this module, or the two "
+                "runs captured different phases/steps", phase=es[0].phase, key=es[0].key,
+                details={"count": len(es), "keys": [x.key for x in es[:10]]}))
+        for mod, es in extra.items():
+            self.findings.append(Finding(
+                "alignment.extra_in_target", mod, es[0].step,
+                f"{len(es)} tensor(s) exist only on the target (e.g. {es[0].key}): the target "
+                "ran a module or call the reference did not", phase=es[0].phase,
+                key=es[0].key, details={"count": len(es), "keys": [x.key for x in es[:10]]}))
+
+    def _trace_findings(self) -> None:
+        for side, reader in (("target", self.tgt), ("reference", self.ref)):
+            for f in reader.manifest.get("findings", []) or []:
+                if not isinstance(f, dict) or "kind" not in f:
+                    continue
+                finding = Finding(**{k: v for k, v in f.items() if k in Finding.__dataclass_fields__})
+                if side == "reference":
+                    finding.severity = "warning"
+                    finding.message = "the reference run itself: " + finding.message
+                finding.details = dict(finding.details or {}, side=side)
+                self.findings.append(finding)
+        self._fp8_findings()
+        ref_ev = self.ref.manifest.get("view_events")
+        tgt_ev = self.tgt.manifest.get("view_events")
+        if ref_ev and tgt_ev:
+            from driftcheck.audit import views
+
+            self.findings.extend(views.compare_events(ref_ev, tgt_ev, _view_tolerance(self)))
+
+    def _fp8_findings(self) -> None:
+        """Summarise the target's fp8 casts (amax, scale, flushed and saturated fractions)."""
+        casts = [c for c in (self.tgt.manifest.get("fp8") or []) if isinstance(c, dict)]
+        if not casts:
+            return
+        def worst(key: str) -> dict[str, Any]:
+            return max(casts, key=lambda c: c.get(key) or 0.0)
+        flushed, saturated = worst("flushed_fraction"), worst("saturated_fraction")
+        recipe = (self.tgt.run.get("precision") or {}).get("fp8") or self.tgt.run.get("fp8")
+        self.findings.append(Finding(
+            "precision.fp8_casts", "", None,
+            f"{len(casts)} fp8 casts (recipe {recipe}): at most "
+            f"{100 * (flushed.get('flushed_fraction') or 0):.2g}% of a tensor flushed to zero "
+            f"({flushed.get('module')} {flushed.get('role')}), at most "
+            f"{100 * (saturated.get('saturated_fraction') or 0):.2g}% saturated "
+            f"({saturated.get('module')} {saturated.get('role')})", severity="warning",
+            details={"casts": casts[:500]}))
+        for c in casts:
+            if (c.get("saturated_fraction") or 0) > 0:
+                self.findings.append(Finding(
+                    "precision.fp8_saturation", c.get("module", ""), c.get("step"),
+                    f"{c.get('role')} of {c.get('module')} saturated in {c.get('format')}: "
+                    f"{100 * c['saturated_fraction']:.3g}% of {c.get('numel')} values clipped at the "
+                    f"format's max (scale {c.get('scale'):.3g}, amax {c.get('amax'):.3g}); delayed "
+                    "scaling lags a growing amax: use current scaling or a longer margin",
+                    severity="warning", details=dict(c)))
+
+    def _nonfinite_findings(self, entries: list[Entry]) -> None:
+        first = next((e for e in entries if e.status == NONFINITE), None)
+        if first is not None:
+            self.findings.append(Finding(
+                "nonfinite.origin", first.module, first.step,
+                f"NaN/Inf first appears on the target at {first.key} "
+                f"({first.metrics.get('nonfinite_new')} element(s)) where the reference is finite: "
+                "look for an overflow (bf16/fp16 range, fp8 saturation) or a bad kernel here",
+                phase=first.phase, key=first.key))
+        bad_ref = next((e for e in entries if (e.metrics.get("nan_ref") or 0) + (e.metrics.get("inf_ref") or 0) > 0), None)
+        if bad_ref is not None:
+            self.findings.append(Finding(
+                "nonfinite.reference", bad_ref.module, bad_ref.step,
+                f"the reference itself has NaN/Inf at {bad_ref.key}: drift after it cannot be "
+                "judged; fix the reference run first", phase=bad_ref.phase, key=bad_ref.key,
+                severity="warning"))
+
+    def _precision_findings(self) -> None:
+        try:
+            from driftcheck.precision import diff_settings
+        except ImportError:  # pragma: no cover
+            return
+        rp, tp = self.ref.run.get("precision") or {}, self.tgt.run.get("precision") or {}
+        diffs = [(k, a, b) for k, a, b, explains in diff_settings(rp, tp) if explains]
+        if diffs:
+            shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diffs[:6])
+            more = f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""
+            self.findings.append(Finding(
+                "precision.settings_differ", "", None,
+                f"{len(diffs)} precision setting(s) differ between the runs: {shown}{more}. "
+                "They explain drift; the noise floor accounts for dtype, TF32, matmul precision "
+                "and fp8", severity="warning",
+                details={"settings": [{"setting": k, "reference": a, "target": b} for k, a, b in diffs]}))
+
+
+def _view_tolerance(c: Any) -> float:
+    us = [dtypes.unit_roundoff(str(run.get("dtype") or "float32")) for run in (c.ref.run, c.tgt.run)]
+    return 8 * max(us)

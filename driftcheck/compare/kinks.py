@@ -1,0 +1,120 @@
+"""Kinks: gradients through ReLU-like ops switch on or off where the forward input crossed the
+kink within its own rounding (methods of the Comparison). In full mode the flips are counted
+and judged by count; in stats mode their share of a gradient is estimated and passed on.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from driftcheck import metrics as mx
+from driftcheck.compare.entries import TraceEntry
+
+KINK_ZEROS = 0.1  # a ReLU-like gradient: this many zeros, as many as non-positive inputs (+-)
+KINK_NEAR = 16  # smallest sample magnitudes the density of a tensor near zero is taken from
+
+
+
+def crossing(xr: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
+    """Where a kink's input may have crossed zero between two runs: its sign differs, or it is
+    within twice its own error of zero."""
+    xr64, xt64 = xr.double(), xt.double()
+    return (xr64.abs() <= 2 * (xt64 - xr64).abs()) | (torch.sign(xr64) != torch.sign(xt64))
+
+
+class Kinks:
+    """The kink half of :class:`driftcheck.compare.Comparison`."""
+
+    def _forward_of(self, r: TraceEntry) -> tuple[TraceEntry | None, TraceEntry | None]:
+        """The forward tensor a gradient entry is the gradient of (grad_input.0 -> input.0,
+        grad_output[.p] -> output[.p]), in the reference and in the target."""
+        s, _, mod, call, slot = r.align
+        a = (s, "forward", mod, call, slot[len("grad_"):])
+        return self.ref_index.by_align.get(a), self.tgt_map.get(a)
+
+    def _kink_flips(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], floor_max: float,
+                    which: str = "tensor") -> dict[str, Any]:
+        """Gradients through ReLU-like kinks (relu, max-pool, clamp) switch on or off where the
+        forward input crossed the kink within its own error: such positions are one side exactly
+        zero, the other not; through a kink that changes the slope (LeakyReLU), they differ by
+        more than the floor where the forward input crossed. Judge the other positions with the
+        floor, and these by count: there may be no more of them than forward inputs that came
+        that close to zero.
+
+        ``which="sample"``: the same on the stats-mode samples (the same positions on both
+        runs). The forward input's sample holds other positions (samples are drawn per key)
+        unless both cover their whole tensor, so the count is otherwise judged without it."""
+        rt, tt = self.ref.tensor(r.raw, which), self.tgt.tensor(t.raw, which)
+        if rt is None or tt is None or rt.shape != tt.shape:
+            return m
+        xr_e, xt_e = self._forward_of(r)
+        cross = None
+        whole = which == "tensor" or r.stats.get("numel") == rt.numel() == (
+            xr_e.stats.get("numel") if xr_e is not None else None)  # a sample that is the whole tensor
+        if xr_e is not None and xt_e is not None and whole:
+            xr, xt = self.ref.tensor(xr_e.raw, which), self.tgt.tensor(xt_e.raw, which)
+            if xr is not None and xt is not None and xr.shape == rt.shape == xt.shape:
+                cross = crossing(xr, xt)
+        big = torch.maximum(rt.double().abs(), tt.double().abs()) > floor_max
+        flip = ((rt == 0) ^ (tt == 0)) & big
+        if cross is not None:
+            # A kink that only changes the slope (LeakyReLU, a clamp's other side): the
+            # gradient differs by more than the floor, at an input that crossed the kink.
+            flip |= cross & ((rt.double() - tt.double()).abs() > floor_max)
+        n = int(flip.sum())
+        if n == 0:
+            return m
+        keep = ~flip
+        out = mx.tensor_error(rt[keep], tt[keep], ref_dtype=r.dtype, tgt_dtype=t.dtype) \
+            if int(keep.sum()) else {"rms": 0.0, "max_abs": 0.0}
+        crossings = int(cross.sum()) if cross is not None else None
+        # Without the forward input, allow what rounding near zero typically produces.
+        allowed = 2 * crossings + 4 if crossings is not None else max(4, int(0.01 * rt.numel()))
+        out = dict(out)
+        out["kink_flips"] = {"count": n, "allowed": allowed, "forward_crossings": crossings,
+                             "unexplained": n > allowed}
+        return out
+
+    def _kink_estimate(self, r: TraceEntry, seen: dict[str, Any] | None = None) -> float | None:
+        """The relative rms error of a gradient from kink flips (stats mode). Flips are few and
+        full-size (the gradient on one side, zero on the other): a 512-element sample of a large
+        tensor rarely holds one, yet every gradient that sums over them (the previous layer's,
+        the weights') carries them. Elements within twice their rms error e of zero may cross
+        it; as a fraction p of the tensor, their share of the gradient's rms is ~sqrt(p).
+
+        p comes from the forward tensor's ``kink_profile`` (an nn.ReLU's input: every element).
+        Where a kink is applied by code around the module (F.relu, x.relu()), there is no
+        profile; the gradient's sample shows the kink (flips, or as many exact zeros as the
+        input has non-positive values), and p comes from the forward tensor's sample: the
+        crossings seen, or the density of |x| near zero (from the KINK_NEAR smallest
+        magnitudes, taken as flat below them, as for any smooth distribution) times 4e."""
+        x, xt_e = self._forward_of(r)
+        err = self.errors.get(x.align) if x is not None else None
+        if err is None or not err.rms:
+            return None
+        prof = x.meta.get("kink_profile")
+        absmax = x.stats.get("absmax")
+        if prof and prof[0] and absmax:
+            k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
+            return math.sqrt(prof[min(max(k, 0), len(prof) - 1)] / prof[0])
+        xr = self.ref.tensor(x.raw, "sample")
+        xt = self.tgt.tensor(xt_e.raw, "sample") if xt_e is not None else None
+        if xr is None or xt is None or xr.shape != xt.shape or xr.numel() < 2 * KINK_NEAR:
+            return None
+        xr64 = xr.double().reshape(-1)
+        n = xr64.numel()
+        if not (seen and seen.get("count")):
+            # A ReLU's gradient is exactly zero where its input is <= 0: as many zeros in the
+            # gradient's sample as non-positive inputs in the input's (the two samples hold other
+            # positions, their fractions agree). Zeros for other reasons (ignored labels, masked
+            # attention) do not follow the input's sign.
+            g = self.ref.tensor(r.raw, "sample")
+            zeros = float((g == 0).double().mean()) if g is not None and g.numel() else 0.0
+            if zeros < KINK_ZEROS or abs(zeros - float((xr64 <= 0).double().mean())) > KINK_ZEROS:
+                return None
+        close = crossing(xr, xt)
+        near = float(xr64.abs().kthvalue(KINK_NEAR).values)
+        dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
+        return math.sqrt(max(int(close.sum()) / n, dens, (seen or {}).get("count", 0) / n))

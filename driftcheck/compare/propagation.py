@@ -1,0 +1,21 @@
+"""Error propagation: what a judged entry passes on to the entries that depend on it."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from driftcheck import floor as fl
+
+
+class Propagated(NamedTuple):
+    """What a judged entry passes on to the entries that depend on it."""
+
+    rel_rms: float  # rms error / magnitude
+    rel_max: float  # max error / max magnitude
+    rms: float  # absolute rms error
+    max: float  # absolute max error
+    mu: float = 1.0  # magnitude / rms of the reference (> 1 where terms cancel)
+    sparse: float = 0.0  # relative error a sample cannot show (kink flips upstream)
+
+
+WRONG = Propagated(fl.REL_CAP, fl.REL_CAP, 0.0, 0.0)  # misaligned: fully wrong, no measured size
+NONE = Propagated(0.0, 0.0, 0.0, 0.0)

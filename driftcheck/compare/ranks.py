@@ -1,0 +1,62 @@
+"""Rank-by-rank compare of two multi-rank run directories (``OUT/rank-<r>``, one trace per rank):
+one Report for all ranks."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.report import Report
+from driftcheck.store import format as fmt
+from driftcheck.store.layout import rank_dir, rank_dirs
+
+
+def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: Any) -> Any:
+    """Compare two multi-rank run directories rank by rank; one Report for all of them.
+
+    Entries and findings carry their rank (``details["rank"]``, keys prefixed ``rank<r>:``); the
+    verdict fails when any rank fails; the first divergence is the earliest over all ranks
+    (step, phase, execution order); ``decided_by`` gives each rank's verdict.
+    """
+    from driftcheck.compare import compare
+
+    refs, tgts = rank_dirs(ref), rank_dirs(target)
+    if not refs or not tgts:
+        which = ref if not refs else target
+        raise DriftcheckError(f"{which} is not a multi-rank run directory (rank-0, rank-1, ... "
+                              "inside); compare single traces directly")
+    if set(refs) != set(tgts):
+        raise DriftcheckError(f"the reference has ranks {sorted(refs)} and the target {sorted(tgts)}: "
+                              "record both with the same --nproc_per_node")
+    truth = kwargs.pop("truth", None)
+    reports = {}
+    for r in refs:
+        t = rank_dir(truth, r) if truth else None
+        reports[r] = compare(str(refs[r]), str(tgts[r]), truth=str(t) if t else None, **kwargs)
+    entries, findings, warnings = [], [], []
+    firsts = []
+    for r, rep in reports.items():
+        for e in rep.entries:
+            e.key = f"rank{r}:{e.key}"
+            e.details = dict(e.details or {}, rank=r)
+            entries.append(e)
+        for f in rep.findings:
+            f.message = f"[rank {r}] {f.message}"
+            f.key = f"rank{r}:{f.key}" if f.key else f.key
+            f.details = dict(f.details or {}, rank=r)
+            findings.append(f)
+        warnings += [f"[rank {r}] {w}" for w in rep.warnings]
+        if rep.first_divergence:
+            fd = dict(rep.first_divergence, rank=r, key=f"rank{r}:{rep.first_divergence['key']}")
+            firsts.append(((fd["step"], fmt.PHASE_RANK.get(fd["phase"], 99),
+                            next((e.order for e in rep.entries if e.key == fd["key"]), math.inf), r), fd))
+    first = min(firsts, key=lambda x: x[0])[1] if firsts else None
+    verdict = "fail" if any(not rep for rep in reports.values()) else "pass"
+    decided_by = "; ".join(f"rank {r}: {rep.verdict} ({rep.decided_by})" for r, rep in reports.items())
+    base = reports[min(reports)]
+    ref_run = dict(base.reference, world_size=len(reports))
+    tgt_run = dict(base.target, world_size=len(reports))
+    return Report(verdict=verdict, reference=ref_run, target=tgt_run, first_divergence=first,
+                  entries=entries, findings=findings, limit=base.limit, decided_by=decided_by,
+                  warnings=warnings, truth=base.truth, policy=base.policy)

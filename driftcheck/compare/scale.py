@@ -1,0 +1,120 @@
+"""Floor inputs beyond the entry itself: operand magnitudes of parameter gradients, the terms a
+gradient sums, a run's own optimizer update, and the unit roundoff each side computed with
+(methods of the Comparison).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from driftcheck import dtypes
+from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.measure import rms_of
+from driftcheck.compare.propagation import NONE
+from driftcheck.store.reader import TraceReader
+
+MATMUL_KINDS = ("linear", "conv", "composite")
+
+
+
+def _matmul_roundoff(run: dict[str, Any], dtype: str, phase: str, kind: str | None) -> float:
+    settings = run.get("precision") or {}
+    op = {"linear": "linear", "conv": "conv"}.get(kind or "", "matmul")
+    try:
+        from driftcheck.precision import effective_matmul_roundoff
+
+        return effective_matmul_roundoff(settings, dtype, phase=phase, op=op)
+    except (ImportError, TypeError, KeyError, ValueError):
+        return dtypes.unit_roundoff(dtype)
+
+
+class Scales:
+    """The floor-input half of :class:`driftcheck.compare.Comparison`."""
+
+    def _magnitude(self, r: TraceEntry) -> float:
+        """Operand magnitude of a parameter gradient (and the optimizer state built from it):
+        dW = sum_n g_n x_n^T has rounding error ~ u * sqrt(sum_n g_n^2 x_n^2), whose rms over W
+        is about ||G|| ||X|| / sqrt(numel(G) * fan_in); a bias's is ||G|| / sqrt(numel(b))."""
+        s, ph, m, _, slot = r.align
+        if ph == "optimizer" and slot.startswith("state."):
+            leaf = slot.split(".")[1]
+            g = self.ref_index.by_align.get((s, "grads", m, 0, f"param.{leaf}"))
+            if g is None:
+                return 0.0
+            mu = self.errors.get(g.align, NONE).mu
+            sq = slot.endswith(("exp_avg_sq", "square_avg", "sum", "max_exp_avg_sq"))
+            return rms_of(r.stats) * (mu * mu if sq else mu)
+        if ph != "grads":
+            return 0.0
+        g2 = x2 = g_n = 0.0
+        out_ch = fan_in = None
+        for c in self.ref_index.calls.get((s, m), ()):
+            for e in self.ref_index.gout.get((s, m, c), [])[:1]:
+                g2 += (e.stats.get("l2") or 0.0) ** 2
+                g_n += e.stats.get("numel") or 0
+                if e.shape:
+                    out_ch = e.shape[-1] if e.meta.get("kind") == "linear" else \
+                        (e.shape[1] if len(e.shape) > 1 else e.shape[0])
+            for e in self.ref_index.fwd_in.get((s, m, c), [])[:1]:
+                x2 += (e.stats.get("l2") or 0.0) ** 2
+            for e in self.ref_index.fwd_out.get((s, m, c), [])[:1]:
+                meta = e.meta
+                if meta.get("k"):
+                    fan_in = meta["k"] // max(meta.get("kernel", 1), 1)
+        numel = r.stats.get("numel") or 0
+        if not g2 or not numel:
+            return 0.0
+        if slot == "param.weight" and x2 and fan_in and g_n:
+            return math.sqrt(g2 * x2 / (g_n * fan_in))
+        if len(r.shape) == 1 and out_ch == r.shape[0]:
+            return math.sqrt(g2 / numel)  # a bias (or a norm's per-channel parameter)
+        return 0.0
+
+    def _grad_terms(self, r: TraceEntry) -> int | None:
+        """How many terms each element of a parameter gradient sums (K of its accumulation):
+        per call, the output gradient's elements per output channel (batch x positions for a
+        convolution, rows for a Linear), over every call. Two runs may sum them in different
+        orders (threads, kernels): fp32 against fp32 differs by ~sqrt(K) u there."""
+        s, _, m, _, slot = r.align
+        if not r.shape:
+            return None
+        terms = 0
+        for c in self.ref_index.calls.get((s, m), ()):
+            for e in self.ref_index.gout.get((s, m, c), [])[:1]:
+                # the output channel: dim 1 (convolutions, batch norm) or last (Linear, norms)
+                if len(e.shape) > 1 and r.shape[0] in (e.shape[1], e.shape[-1]):
+                    terms += (e.stats.get("numel") or 0) // r.shape[0]
+        return terms or None
+
+    def _update_scale(self, r: TraceEntry, reader: TraceReader | None = None,
+                      index: dict | None = None) -> tuple[float, float]:
+        """rms and max of a run's own optimizer update of a parameter (the reference's by
+        default)."""
+        reader = reader or self.ref
+        index = index if index is not None else self.ref_index.by_align
+        s, _, m, _, slot = r.align
+        before = index.get((s, "params", m, 0, slot))
+        if before is None:
+            return 0.0, 0.0
+        a, b = reader.tensor(r.raw), reader.tensor(before.raw)
+        if (a is None or b is None) and r.stats.get("numel") == before.stats.get("numel"):
+            # Stats mode: samples of a tensor no larger than a sample are the whole tensor, in
+            # order, whatever their keys: the update itself.
+            a, b = reader.tensor(r.raw, "sample"), reader.tensor(before.raw, "sample")
+            if a is not None and a.numel() != r.stats.get("numel"):
+                a = None
+        if a is None or b is None or a.shape != b.shape:
+            d_rms = abs(rms_of(r.stats) - rms_of(before.stats))
+            return d_rms, d_rms
+        d = a.double() - b.double()
+        return float(d.pow(2).mean().sqrt()), float(d.abs().max()) if d.numel() else 0.0
+
+    def _u(self, r: TraceEntry, t: TraceEntry) -> tuple[float, float]:
+        """(u, u_acc) for this entry: the coarser side, matmul precision where it applies."""
+        u = max(dtypes.unit_roundoff(r.dtype), dtypes.unit_roundoff(t.dtype))
+        kind = r.meta.get("kind")
+        if r.phase in ("forward", "backward", "loss") and (kind in MATMUL_KINDS or r.phase == "loss"):
+            for run, e in ((self.ref.run, r), (self.tgt.run, t)):
+                u = max(u, _matmul_roundoff(run, e.dtype, r.phase, kind))
+        u_acc = max(dtypes.accumulation_roundoff(r.dtype), dtypes.accumulation_roundoff(t.dtype))
+        return u, u_acc

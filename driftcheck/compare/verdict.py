@@ -1,0 +1,118 @@
+"""The verdict: pass or fail, the first divergence and who is blamed, the sentence that decided
+it, and the error histograms of the entries a reader looks at first (methods of the Comparison).
+"""
+from __future__ import annotations
+
+import math
+
+from driftcheck.report import DRIFT, MISALIGNED, NONFINITE, OK, Entry, Report
+
+HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
+
+
+class Verdict:
+    """The verdict half of :class:`driftcheck.compare.Comparison`."""
+
+    def _verdict(self, entries: list[Entry]) -> Report:
+        failing = [e for e in entries if e.status in (DRIFT, NONFINITE, MISALIGNED)]
+        # Where drift enters: the first entry whose own error is over the limit. A leaf module
+        # replayed locally is blamed only if its local error is; otherwise it inherited the drift.
+        first = next((e for e in entries if e.status in (DRIFT, NONFINITE) and _blamed(e)), None) \
+            or next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
+        gate_findings = []
+        for f in self.findings:
+            reason = self.policy.ignore_reason(f.module, f.phase, f.step, f.kind)
+            if reason:
+                f.details = dict(f.details or {}, ignored=reason)
+            elif self.policy.fails_gate(f):
+                gate_findings.append(f)
+        limit = self.limit_override if self.limit_override is not None else self.policy.limit
+        if failing or gate_findings:
+            verdict = "fail"
+            parts = []
+            if first is not None:
+                parts.append(f"{first.key} has ratio {_fmt_ratio(first.ratio)} > limit "
+                             f"({first.rule})" if first.status == DRIFT else
+                             f"{first.key} has NaN/Inf the reference lacks")
+            if gate_findings:
+                kinds = sorted({f.kind for f in gate_findings})
+                parts.append(f"{len(gate_findings)} finding(s) fail the gate: {', '.join(kinds)}")
+            n_drift = sum(e.status == DRIFT for e in entries)
+            if n_drift:
+                parts.append(f"{n_drift} entr{'y' if n_drift == 1 else 'ies'} above the limit")
+            decided_by = "; ".join(parts)
+        else:
+            verdict = "pass"
+            worst = max((e.ratio for e in entries if e.ratio is not None and math.isfinite(e.ratio)),
+                        default=0.0)
+            decided_by = (f"all {len(entries)} entries within the limit (worst ratio "
+                          f"{worst:.3g} <= {limit:g}) and no finding fails the gate")
+        fd = None
+        if first is not None:
+            fd = {"key": first.key, "module": first.module, "phase": first.phase,
+                  "step": first.step, "call": first.call, "slot": first.slot,
+                  "ratio": first.ratio, "status": first.status,
+                  "where": _where(first)}
+            if first.local_ratio is not None:
+                fd["local_ratio"] = first.local_ratio
+            fd["blame_module"] = self._blame_module(first)
+        return Report(verdict=verdict, reference=self.ref.run, target=self.tgt.run,
+                      first_divergence=fd, entries=entries, findings=self.findings, limit=limit,
+                      decided_by=decided_by, warnings=self.warnings,
+                      truth=self.truth.run if self.truth is not None else None,
+                      policy=dict(self.policy.to_dict(), **({"limit_override": self.limit_override}
+                                                            if self.limit_override is not None else {})))
+
+    def _histograms(self, entries: list[Entry]) -> None:
+        """Error histograms (log10 |target - reference|, measured in the metrics pass) for the
+        entries a reader looks at first: the first over the limit and the worst by ratio."""
+        first = next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
+        judged = sorted((e for e in entries if e.ratio is not None),
+                        key=lambda e: -(e.ratio if not math.isnan(e.ratio) else math.inf))
+        for e in ([first] if first is not None else []) + judged[:HISTOGRAMS]:
+            h = self._histograms_by_key.get(e.key)
+            if h is not None and "histogram" not in e.details:
+                e.details["histogram"] = {"edges": list(h.edges), "counts": list(h.counts),
+                                          "exact": h.exact}
+
+    def _blame_module(self, e: Entry) -> str:
+        """The module whose code produced the diverging tensor: a forward input is computed by
+        the parent's code between its submodules."""
+        r = self.ref_index.by_align.get((e.step, e.phase, e.module, e.call, e.slot))
+        parent = self.ref_index.parent_of(r) if r is not None else None
+        if e.phase == "forward" and e.slot.startswith("input") and parent is not None:
+            return parent[1]
+        return e.module
+
+
+def _blamed(e: Entry) -> bool:
+    """Whether the entry's own module (not what it inherited) put it over the limit."""
+    local = (e.details or {}).get("local")
+    return local is None or local["status"] != OK
+
+
+def _where(e: Entry) -> str:
+    """Say in words where drift entered."""
+    mod = e.module or "the model"
+    if e.phase == "forward" and e.slot.startswith("input"):
+        return (f"in the code of the parent of {mod} that computes its input {e.slot} "
+                "(between submodules)")
+    if e.phase == "forward":
+        return f"in the forward of {mod}"
+    if e.phase == "backward" and e.slot.startswith("grad_input"):
+        return f"in the backward of {mod}"
+    if e.phase == "backward":
+        return f"in the backward of the code that consumes the output of {mod}"
+    if e.phase == "grads":
+        return f"in the weight gradient of {mod}"
+    if e.phase == "optimizer" and e.slot.startswith("buffer."):
+        return f"in the buffers of {mod} after the step (they are updated by its forward)"
+    if e.phase == "optimizer":
+        return f"in the optimizer update of {mod}"
+    if e.phase == "params":
+        return f"in the initial state of {mod} (replayed weights differ beyond the cast)"
+    return f"in the {e.phase} of {mod}"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "n/a" if r is None else ("inf" if math.isinf(r) else f"{r:.3g}")

@@ -1,0 +1,187 @@
+"""Taking captures: each tensor copied (or summarised) at hook time, then moved to the host in
+one batched transfer per step and handed to the writer (methods of the Tracer).
+
+The cost of ``_capture`` is stats mode's overhead on a small model: plain tuples, cached names,
+no context managers on its fast path.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+
+from driftcheck import dtypes
+from driftcheck import stats as tstats
+from driftcheck.store import format as fmt
+
+
+class _Pending:
+    __slots__ = ("entry", "tensor", "dev_meta", "summary")
+
+    def __init__(self, entry: dict[str, Any], tensor: torch.Tensor | None,
+                 dev_meta: dict[str, torch.Tensor] | None,
+                 summary: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        self.entry = entry
+        self.tensor = tensor
+        self.dev_meta = dev_meta
+        self.summary = summary  # (stats row, sample), taken at hook time instead of a copy
+
+
+class Capturing:
+    """The capture half of :class:`driftcheck.record.tracer.Tracer` (its state lives there)."""
+
+    @staticmethod
+    def _identity(t: torch.Tensor) -> tuple | None:
+        """What makes a tensor the same data as when last seen: the object itself (held weakly,
+        so a freed tensor's id or memory can never match), its version counter (bumped by every
+        in-place write) and its view geometry."""
+        try:
+            return (t._version, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+
+    def _known_summary(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The stats row of ``t`` if this step already summarised this very tensor, unchanged
+        (a module's output is the next module's input, a parent's output its last child's)."""
+        known = self._summaries.get(id(t))
+        if known is None:
+            return None
+        ref, ident, row = known
+        return row if ref() is t and ident is not None and ident == self._identity(t) else None
+
+    def _remember_summary(self, t: torch.Tensor, row: torch.Tensor) -> None:
+        try:
+            self._summaries[id(t)] = (weakref.ref(t), self._identity(t), row)
+        except TypeError:  # not weak-referenceable: never reused
+            pass
+
+    def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
+                 extra: dict[str, Any] | None = None, copy: bool = True,
+                 dev_meta: dict[str, torch.Tensor] | None = None) -> None:
+        # Runs ~10^2-10^3 times a step: the cost of this function is stats mode's overhead on a
+        # small model, hence plain tuples, cached names and no context managers on its fast path.
+        if type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local"):
+            # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
+            # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
+            t = t.to_local()
+        if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): dense
+            t = t.to_dense()
+        skey = fmt.key_string(self.step_index, phase, module, call, slot)
+        if skey in self._seen_keys:
+            return  # the same tensor reached twice (e.g. an output hook fired twice)
+        entry: dict[str, Any] = {
+            "key": skey, "module": module, "phase": phase, "step": self.step_index,
+            "call": call, "slot": slot, "order": self._order, "shape": list(t.shape),
+            "dtype": dtypes.name_of(t.dtype), "stats": {},
+        }
+        if extra:
+            entry["meta"] = dict(extra)
+        self._order += 1
+        data = t.detach()  # no autograd history: what follows records no graph
+        if self.audit is None:
+            summary, data = self._take(data, t, module, phase, skey, copy)
+        else:
+            with self.audit.paused():  # the tracer's own ops stay out of the view audit
+                summary, data = self._take(data, t, module, phase, skey, copy)
+        self._pending.append(_Pending(entry, data, dev_meta, summary))
+        self._pending_bytes += data.numel() * data.element_size()
+        self._seen_keys.add(skey)
+        if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes:
+            self.flush()
+
+    def _take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
+              copy: bool) -> tuple[tuple | None, torch.Tensor]:
+        """(summary or None, what the pending capture holds) for detached ``data`` of ``t``."""
+        keep = phase == "loss" or self._full(module)  # the whole tensor goes to the trace
+        if not keep and tstats.HostSummaries.eligible(data):
+            got = self._host.take(data, skey)
+            if got is not None:
+                # Stats mode, a small host tensor: summarised now, only its sample is kept.
+                sample = torch.from_numpy(got[1])
+                return (got[0], sample), sample
+        if not keep and data.numel() >= tstats.BIG:
+            # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
+            # than copy it for later; the copy would cost more than the summary.
+            row = self._known_summary(t)
+            if row is None:
+                rows, samples = tstats.summarize([data], [skey], self.seed)
+                row, sample = rows[0], samples[0]
+                self._remember_summary(t, row)
+            else:  # the same tensor, unchanged, seen earlier this step: only the sample
+                sample = tstats.sample_of(data, skey, self.seed)
+            return (row, sample), sample
+        # copy at hook time: later in-place ops must not leak in
+        return None, (data.clone() if copy else data)
+
+    def flush(self) -> None:
+        """Move pending captures to the host in one batched transfer and hand them to the writer."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        with torch.no_grad(), self._quiet():
+            fulls = [self._full(p.entry["module"]) or p.entry["phase"] == "loss" for p in pending]
+            # Stats of all captures and the samples of the non-full ones, a few kernels per dtype,
+            # except those summarised in their hook (rows on the host or on the device).
+            todo = [i for i, p in enumerate(pending) if p.summary is None]
+            rows, got = tstats.summarize(
+                [pending[i].tensor for i in todo],
+                [None if fulls[i] else pending[i].entry["key"] for i in todo], self.seed)
+            samples: list[torch.Tensor | None] = [p.summary[1] if p.summary else None for p in pending]
+            for j, i in enumerate(todo):
+                samples[i] = got[j]
+            stat_lists: list[list[float] | None] = [None] * len(pending)
+            on_device = []
+            for i, p in enumerate(pending):
+                if p.summary is not None:
+                    if isinstance(p.summary[0], torch.Tensor):
+                        on_device.append(i)
+                    else:  # a HostSummaries row: on the host already
+                        stat_lists[i] = p.summary[0].tolist()
+            if on_device:
+                like = rows if todo else pending[on_device[0]].summary[0]
+                extra = torch.stack([pending[i].summary[0].to(like) for i in on_device])
+                rows = torch.cat([rows, extra]) if todo else extra
+            order = todo + on_device
+            metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
+                     for k, v in p.dev_meta.items()]
+            meta_vals = torch.cat([v.to(tstats.acc_dtype(v.device)).reshape(-1)
+                                   for _, _, v in metas]) if metas else None
+            host_tensors = _to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
+            for i, row in zip(order, rows.cpu().tolist() if order else []):
+                stat_lists[i] = row
+            meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
+        at = 0
+        for i, k, dev in metas:
+            n = dev.numel()
+            v = meta_host[at:at + n]
+            at += n
+            if k == "mag_sq":
+                pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
+            else:  # kink_profile: counts
+                pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
+        for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
+            p.entry["stats"] = tstats.to_dict(row)
+            if full:
+                self.writer.add(p.entry, host)
+            else:
+                self.writer.add(p.entry, None, sample=host)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One device-to-host transfer per dtype for all tensors (none on CPU)."""
+    if not tensors or all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idxs in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idxs]).cpu()
+        offset = 0
+        for i in idxs:
+            n = tensors[i].numel()
+            out[i] = flat[offset:offset + n].reshape(tensors[i].shape).clone()
+            offset += n
+    return out  # type: ignore[return-value]

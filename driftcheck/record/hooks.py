@@ -1,0 +1,120 @@
+"""Forward hooks of every module (methods of the Tracer): the pre-hook copies the inputs and
+marks where the call's autograd nodes start, the post-hook copies the outputs with their meta,
+runs the BatchNorm audit and the local replay, and hooks the backward.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from driftcheck.audit import batchnorm as bn_audit
+from driftcheck.nested import flatten
+from driftcheck.record.meta import KINK_MODULES, floating, is_leaf, kink_profile, magnitude_sq, static_meta
+
+
+class ForwardHooks:
+    """The forward half of :class:`driftcheck.record.tracer.Tracer` (its state lives there)."""
+
+    def _make_pre_hook(self, name: str) -> Callable:
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._replaying:
+                return  # a local replay of this module: not a call of the traced run
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            parent = self._stack[-1] if self._stack else None
+            self._stack.append((name, call))
+            if not self._selected(name):
+                return
+            ctx = {"parent": f"{parent[0]}#{parent[1]}" if parent else None,
+                   "call_start": self._order}
+            if self.local is not None:
+                self.local.before_call(name, call)
+            inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+            if self._capturing("forward"):
+                kink = type(module) in KINK_MODULES and not self._full(name) \
+                    and self._capturing("backward")
+                for i, (slot, t) in enumerate(inputs):
+                    dev_meta = None
+                    if kink and i == 0 and t.is_floating_point():
+                        with self._quiet():
+                            try:
+                                dev_meta = {"kink_profile": kink_profile(t)}
+                            except (RuntimeError, NotImplementedError):
+                                pass  # a backend without frexp/bincount: compare goes without
+                    self._capture(name, "forward", call, slot, t, extra=ctx, dev_meta=dev_meta)
+            if self.audits and bn_audit.is_tracked_norm(module) and inputs:
+                with self._quiet():
+                    self._bn_before[(name, call)] = (bn_audit.snapshot(module),
+                                                     inputs[0][1].detach().clone())
+            if self._capturing("backward") and torch.is_grad_enabled():
+                # Remember each input's autograd node now: an in-place op inside the module
+                # (ReLU(inplace=True)) replaces the tensor's grad_fn during the call.
+                grad_inputs = [(s, t, t.grad_fn, t.output_nr) for s, t in inputs
+                               if t.requires_grad and floating(t)]
+                if grad_inputs:
+                    self._call_inputs[(name, call)] = grad_inputs
+                    # Nodes created from here on belong to this call: mark the sequence number.
+                    self._start_seq[(name, call)] = self._next_sequence_nr()
+        return pre_hook
+
+    def _make_post_hook(self, name: str) -> Callable:
+        def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._replaying:
+                return
+            name_, call = self._stack.pop() if self._stack else (name, 0)
+            if not self._selected(name):
+                return
+            parent = self._stack[-1] if self._stack else None
+            static = self._static.get(name)
+            if static is None:  # what the module is does not change between calls
+                static = self._static[name] = static_meta(module)
+            ctx: dict[str, Any] = {"parent": f"{parent[0]}#{parent[1]}" if parent else None}
+            ctx.update(static)
+            kind = static["kind"]
+            outputs = list(flatten(output, "output"))
+            dev_meta = None
+            if kind in ("linear", "conv") and args and isinstance(args[0], torch.Tensor):
+                with self._quiet():
+                    try:
+                        mag = magnitude_sq(module, args[0], self._weight_sq)
+                    except (RuntimeError, ValueError, NotImplementedError):
+                        mag = None  # a layer shape it does not know: the floor goes without
+                if mag is not None:
+                    dev_meta = {"mag_sq": mag}
+            if self._capturing("forward"):
+                for i, (slot, t) in enumerate(outputs):
+                    self._capture(name, "forward", call, slot, t, extra=ctx,
+                                  dev_meta=dev_meta if i == 0 else None)
+            if (name, call) in self._bn_before:
+                before, x = self._bn_before.pop((name, call))
+                with self._quiet():
+                    found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
+                                                module.training, self.step_index, call)
+                self.findings.extend(f.to_dict() for f in found)
+            if self._capturing("backward") and torch.is_grad_enabled():
+                self._hook_backward(name, call, outputs, ctx)
+            if self.local is not None and self._capturing("forward") and is_leaf(module):
+                self._local_replay(name, call, module, args, kwargs, ctx)
+        return post_hook
+
+    def _local_replay(self, name: str, call: int, module: nn.Module, args: tuple, kwargs: dict,
+                      ctx: dict[str, Any]) -> None:
+        """Capture ``local.*`` entries: this leaf module rerun on the reference's inputs."""
+        backward = self._capturing("backward") and torch.is_grad_enabled()
+        self._replaying = True
+        try:
+            with self._quiet():
+                results = self.local.replay(
+                    self.step_index, name, call, module, args, kwargs, backward=backward,
+                    owner=lambda p: self.param_owner.get(id(p), (None, None, None))[:2]
+                    if id(p) in self.param_owner else None)
+        finally:
+            self._replaying = False
+        bctx = {k: ctx[k] for k in ("parent", "module_type", "kind") if k in ctx}
+        order = self._order  # local entries must not shift the order numbers of the real ones
+        for phase, slot, t in results:
+            self._capture(name, phase, call, slot, t, extra=ctx if phase == "forward" else bctx,
+                          copy=False)
+        self._order = order

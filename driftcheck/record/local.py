@@ -1,0 +1,178 @@
+"""Local replay: run each leaf module on the target again, on the reference's inputs for that call.
+
+The propagated error of a module's output mixes what the module adds with what it inherits from
+everything upstream. Replaying the module on the *reference's* recorded inputs (cast to the
+target's dtype and device) isolates the first part: the difference between that replay and the
+reference's output is the module's local error. With the reference's gradient of the outputs,
+``torch.autograd.grad`` through the replay gives the local error of the backward as well.
+
+The replay runs inside the tracer's forward post-hook of the real call and leaves nothing behind:
+- the tracer's own hooks are off during it (no call counters, no captures, no backward hooks);
+- the module runs with the reference's parameters of the step (cast to the target's dtype);
+  its parameters and buffers (BatchNorm running statistics, ``num_batches_tracked``) are swapped
+  out during the replay, so neither their values nor their version counters change;
+- the CPU/device RNG is forked, and CPU-drawn dropout masks are replayed from the same index as
+  the real call, so a Dropout replays with the mask the real call used;
+- autograd: the replay's graph starts at fresh leaves and ``autograd.grad`` only asks for the
+  inputs' gradients, so no ``.grad`` is written and the training graph is untouched.
+
+Captured as extra entries of the target trace, slot ``local.<slot>`` next to ``<slot>``:
+``local.output.*`` (phase forward) and ``local.grad_input.*`` (phase backward).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.nested import substitute
+from driftcheck.store.format import LOCAL_PREFIX
+
+
+class LocalReplay:
+    """The reference's tensors, looked up per (step, module, call), and the replay itself.
+
+    Args:
+        ref_dir: a full-mode reference trace (the one the target replays).
+        dropout: the run's ``DropoutControl`` (its mask index is rewound for a Dropout replay).
+    """
+
+    def __init__(self, ref_dir: str | os.PathLike, dropout: Any = None) -> None:
+        from driftcheck.store.reader import TraceReader
+
+        self.reader = TraceReader(ref_dir)
+        self.dropout = dropout
+        self.by_key: dict[tuple, dict[str, Any]] = {}
+        for e in self.reader.entries:
+            if e["phase"] in ("params", "forward", "backward") and e.get("tensor") is not None:
+                self.by_key[(e["step"], e["phase"], e["module"], e["call"], e["slot"])] = e
+        if not self.by_key and self.reader.entries:
+            raise DriftcheckError(f"--local {ref_dir}: the reference holds no full forward/backward "
+                                  "tensors (recorded with --mode stats?); record it with --mode full")
+        self.replay_id = self.reader.run.get("replay_id")
+        self._mask_mark: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def _ref(self, step: int, phase: str, module: str, call: int, slot: str) -> torch.Tensor | None:
+        e = self.by_key.get((step, phase, module, call, slot))
+        return None if e is None else self.reader.tensor(e)
+
+    def before_call(self, name: str, call: int) -> None:
+        """At the real call's pre-hook: remember where the dropout mask stream stands."""
+        if self.dropout is not None:
+            self._mask_mark[(name, call)] = (self.dropout.index, len(self.dropout.masks))
+
+    def replay(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
+               kwargs: dict, *, backward: bool,
+               owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
+               ) -> list[tuple[str, str, torch.Tensor]]:
+        """Run ``module`` on the reference inputs of this call: (phase, slot, tensor) captures.
+
+        The module runs with the reference's parameters of this step (cast to the target's
+        dtype): from step 1 on the target's own parameters carry the drift of earlier steps,
+        which the params/optimizer entries judge; the replay measures the module's op alone.
+        ``owner(param)`` names the (module, name) a parameter is recorded under (tied weights).
+        Nothing is returned for a call whose reference inputs were not recorded."""
+        mark = self._mask_mark.pop((name, call), None)
+        results: list[tuple[str, str, torch.Tensor]] = []
+        missing: list[str] = []
+        needs_grad: set[str] = set()  # the inputs whose gradient the real call produced
+
+        def ref_input(slot: str, t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad and t.is_floating_point():
+                needs_grad.add(slot)
+            r = self._ref(step, "forward", name, call, slot)
+            if r is None or tuple(r.shape) != tuple(t.shape):
+                missing.append(slot)
+                return t
+            r = r.to(device=t.device, dtype=t.dtype) if t.is_floating_point() else r.to(t.device)
+            return r.clone()
+
+        r_args = substitute(args, "input", ref_input)
+        r_kwargs = substitute(kwargs, "input", ref_input)
+        ref_params: dict[str, nn.Parameter] = {}
+        for k, p in module._parameters.items():
+            if p is None:
+                continue
+            key = owner(p) or (name, k)
+            rp = self._ref(step, "params", key[0], 0, f"param.{key[1]}")
+            if rp is None or tuple(rp.shape) != tuple(p.shape):
+                missing.append(f"param.{k}")
+                break
+            ref_params[k] = nn.Parameter(rp.to(device=p.device, dtype=p.dtype), requires_grad=False)
+        if missing:
+            return results
+        leaves: list[tuple[str, torch.Tensor]] = []
+        if backward:
+            # Fresh leaves requiring grad; the module sees a non-leaf copy so in-place modules
+            # (ReLU(inplace=True)) may write into it.
+            def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
+                if slot not in needs_grad:
+                    return t
+                leaf = t.detach().requires_grad_(True)
+                leaves.append((slot, leaf))
+                return leaf.clone()
+            r_args = substitute(r_args, "input", as_leaf)
+            r_kwargs = substitute(r_kwargs, "input", as_leaf)
+        with self._isolated(module, mark, ref_params), torch.set_grad_enabled(backward):
+            out = module(*r_args, **r_kwargs)
+            outs: list[tuple[str, torch.Tensor]] = []
+            substitute(out, "output", lambda s, t: outs.append((s, t)))
+            for slot, t in outs:
+                results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
+            if not backward or not leaves:
+                return results
+            pairs = []
+            for slot, t in outs:
+                g = self._ref(step, "backward", name, call, "grad_" + slot)
+                if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
+                    pairs.append((t, g.to(device=t.device, dtype=t.dtype)))
+            if not pairs:
+                return results
+            grads = torch.autograd.grad([t for t, _ in pairs], [x for _, x in leaves],
+                                        grad_outputs=[g for _, g in pairs], allow_unused=True)
+            for (slot, _), g in zip(leaves, grads):
+                if g is not None:
+                    results.append(("backward", LOCAL_PREFIX + "grad_" + slot, g.detach()))
+        return results
+
+    @contextlib.contextmanager
+    def _isolated(self, module: nn.Module, mark: tuple[int, int] | None,
+                  params: dict[str, nn.Parameter]) -> Iterator[None]:
+        # The replay works on copies of the buffers: writing the originals back afterwards would
+        # bump their version counters, and BatchNorm saves running stats for its backward.
+        originals = {k: b for k, b in module._buffers.items() if b is not None}
+        for k, b in originals.items():
+            module._buffers[k] = b.detach().clone()
+        own_params = {k: module._parameters[k] for k in params}
+        module._parameters.update(params)
+        dev = next((t.device for t in list(module.parameters()) + list(module.buffers())),
+                   torch.device("cpu"))
+        drop_state = None
+        if self.dropout is not None and mark is not None:
+            drop_state = (self.dropout.index, len(self.dropout.masks))
+            self.dropout.index = mark[0]  # the real call's first mask index
+        try:
+            with _fork_rng(dev):
+                yield
+        finally:
+            module._buffers.update(originals)
+            module._parameters.update(own_params)
+            if drop_state is not None:
+                self.dropout.index = drop_state[0]
+                del self.dropout.masks[drop_state[1]:]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _fork_rng(dev: torch.device) -> Any:
+    if dev.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    try:
+        return torch.random.fork_rng(devices=[dev.index or 0], device_type=dev.type)
+    except (RuntimeError, AttributeError, TypeError):  # a backend without RNG state access
+        return torch.random.fork_rng(devices=[])

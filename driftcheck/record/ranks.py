@@ -1,0 +1,84 @@
+"""Multi-rank records: the process group, each rank's batch and the wrapped model of a DDP or FSDP
+run started by ``torchrun`` (record(..., parallel=...) records one trace per rank).
+
+    torchrun --nproc_per_node 2 -m driftcheck record llama --out ref --parallel ddp
+    torchrun --nproc_per_node 2 -m driftcheck record llama --out tgt --parallel ddp \\
+        --dtype bf16 --replay ref
+    driftcheck compare ref tgt          # rank by rank, one verdict
+
+Layout: ``OUT/rank-<r>`` is a complete, ordinary trace of rank ``r`` (its own manifest, shards and
+replay file), with ``rank``, ``world_size``, ``parallel`` and ``backend`` in its run metadata. A
+target replays the reference rank by rank, so both runs need the same world size.
+
+What each rank sees: the scenario's batch of every step is split along dim 0 into ``world_size``
+equal parts (rank ``r`` takes part ``r``), so the global batch is the single-process one. The
+tracer hooks the inner module (module paths as without the wrapper), the training loop calls the
+wrapper. Hooks only copy local tensors, never communicate: FSDP's sharded parameters, gradients
+and optimizer state (DTensors) are recorded as this rank's local shard, and nothing a hook does
+can make ranks wait for each other. Under DDP the ``grads`` phase is the gradient as it reached
+the parameter on this rank; the all-reduced result shows in the optimizer phase.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.nested import substitute
+
+PARALLEL = ("ddp", "fsdp")
+
+
+# -- recording ------------------------------------------------------------------------------------
+def init_from_env(device: torch.device) -> tuple[int, int, str]:
+    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); (rank, world, backend)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise DriftcheckError("--parallel needs torch.distributed, which this torch build lacks")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise DriftcheckError("--parallel runs under torchrun: torchrun --nproc_per_node N -m "
+                                  "driftcheck record MODEL --out DIR --parallel ddp")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def shard_batch(batch: Any, rank: int, world: int) -> Any:
+    """Rank ``rank``'s part of a batch: every tensor split along dim 0 into ``world`` parts."""
+    def part(_: str, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] % world:
+            raise DriftcheckError(
+                f"cannot split a batch tensor of shape {tuple(t.shape)} across {world} ranks: "
+                f"its first dimension must be a multiple of {world}; make the scenario's batch "
+                "size divisible by the number of processes")
+        return t.chunk(world, dim=0)[rank].clone()
+
+    return substitute(batch, "", part)
+
+
+def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+    """The module the training loop calls: DDP around ``model``, or ``model`` itself after
+    ``fully_shard`` (FSDP2 shards it in place and keeps its module paths)."""
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(model)
+    raise DriftcheckError(f"--parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
+
+
+def broadcast_str(value: str | None) -> str:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])

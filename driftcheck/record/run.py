@@ -1,0 +1,96 @@
+"""``driftcheck run``: the reference, the optional float64 truth and the target, each recorded in
+a fresh ``driftcheck record`` process, into one run directory (store/layout.py names its parts).
+
+A fresh process per side: a backend (torch_tpu) and precision settings loaded for one side can
+never leak into the other.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from driftcheck import devices
+from driftcheck.errors import DriftcheckError
+from driftcheck.store import layout
+
+
+@dataclasses.dataclass
+class Sides:
+    """What ``driftcheck run`` records: one model, a reference and a target (and a truth)."""
+
+    model: str
+    out: Path
+    reference: str = "cpu"
+    target: str = "cpu"
+    reference_dtype: str = "fp32"
+    target_dtype: str = "fp32"
+    autocast: str | None = None
+    fp8: str | None = None
+    matmul_precision: str | None = None
+    truth: str | None = None  # "fp64": a float64 record on CPU from the same replay
+    local: bool = False
+    steps: int | None = None
+    seed: int = 0
+    mode: str = "full"
+    force: bool = False
+
+
+def prepare_run_dir(out: Path, force: bool) -> Path:
+    """Create ``out`` for a run; an earlier run is replaced only with ``force``."""
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it")
+        if not {c.name for c in out.iterdir()} <= layout.RUN_CONTENTS:
+            raise DriftcheckError(f"--out {out} is not a driftcheck run directory; --force only "
+                                  "replaces earlier runs: choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def record_sides(sides: Sides, *, debug: bool = False,
+                 say: Callable[[str], None] | None = None) -> tuple[Path, Path, Path, Path | None]:
+    """Record every side of ``sides``; (run dir, reference, target, truth or None)."""
+    for spec in (sides.reference, sides.target):
+        dev_type, _ = devices.parse_device(spec)
+        if dev_type in devices.BUILTIN_TYPES:
+            # torch's own devices are checked now, not after minutes of recording the reference;
+            # tpu and other backends load (and are checked) in their own record process
+            devices.prepare_environment(dev_type)
+            devices.open_device(spec)
+    out = prepare_run_dir(sides.out, sides.force)
+    common = ["--seed", str(sides.seed), "--mode", sides.mode, "--force"] + (
+        ["--steps", str(sides.steps)] if sides.steps else [])
+    ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
+    _record([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
+             sides.reference_dtype] + common, "reference", debug, say)
+    if sides.truth:
+        _record([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
+                 "--replay", str(ref_dir)] + common, "truth", debug, say)
+    tgt_args = [sides.model, "--out", str(tgt_dir), "--device", sides.target, "--dtype",
+                sides.target_dtype, "--replay", str(ref_dir)] + common
+    for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
+                      ("--matmul-precision", sides.matmul_precision)):
+        if val:
+            tgt_args += [flag, val]
+    if sides.local:
+        tgt_args += ["--local", str(ref_dir)]
+    _record(tgt_args, "target", debug, say)
+    return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
+
+
+def _record(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None) -> None:
+    """Record in a fresh process: backends and precision settings cannot leak between runs."""
+    cmd = [sys.executable, "-m", "driftcheck", "--quiet"] + (["--debug"] if debug else []) + ["record"] + args
+    if say is not None:
+        say(f"recording {label}: driftcheck record {' '.join(args)}")
+    proc = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        msg = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        if debug:
+            sys.stderr.write(proc.stderr)
+        raise DriftcheckError(f"the {label} record failed: {msg.removeprefix('driftcheck: ')}")

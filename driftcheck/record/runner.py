@@ -1,0 +1,334 @@
+"""record(): run a Scenario for N training steps under the tracer, on one device and dtype.
+
+The reference writes ``replay.safetensors`` (initial parameters and buffers, every step's inputs,
+the seed of the CPU-generated dropout masks); a target started with ``replay=REF_DIR`` loads
+exactly those, casts them to its dtype and moves them to its device.
+
+With ``parallel="ddp"|"fsdp"`` (under torchrun) the same function records this rank into
+``OUT/rank-<r>`` (driftcheck/record/ranks.py says what each rank sees).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from driftcheck import dtypes
+from driftcheck.errors import DriftcheckError
+from driftcheck.nested import substitute
+from driftcheck.record import ranks
+from driftcheck.record.metadata import run_metadata
+from driftcheck.record.rng import DropoutControl
+from driftcheck.record.tracer import Tracer
+from driftcheck.scenario import Scenario, call_model
+from driftcheck.store.layout import rank_dir
+from driftcheck.store.replay import decode_batch, encode_batch, read_replay
+from driftcheck.store.writer import TraceWriter
+
+parse_dtype = dtypes.parse_cli
+
+def cast_batch(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Move tensors to ``device``; floating tensors are cast to ``dtype`` (ints/bools kept)."""
+    return substitute(obj, "", lambda _, t: t.to(device=device, dtype=dtype)
+                      if t.is_floating_point() else t.to(device=device))
+
+
+# -- record ---------------------------------------------------------------------------------------
+def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device | str = "cpu",
+           dtype: str = "fp32", steps: int | None = None, seed: int = 0,
+           replay: str | os.PathLike | None = None, mode: str = "full", force: bool = False,
+           model_id: str | None = None, include: Iterable[str] | None = None,
+           exclude: Iterable[str] | None = None, full_modules: Iterable[str] | None = None,
+           phases: Iterable[str] | None = None, capture_steps: Iterable[int] | None = None,
+           transfer: str = "batched", autocast: str | None = None, fp8: str | None = None,
+           local: str | os.PathLike | None = None, view_audit: bool = False,
+           simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
+           target_hooks: Callable[[nn.Module], Any] | None = None,
+           parallel: str | None = None) -> Path:
+    """Record ``scenario`` into the trace directory ``out``; returns its path.
+
+    Args:
+        scenario: what to run (CPU, float32, as built).
+        out: the trace directory to create (``force`` to overwrite).
+        device: where to run. dtype: "fp32", "bf16", "fp16" or "fp64".
+        steps: training steps (default: the scenario's). seed: CPU RNG seed (dropout masks).
+        replay: a reference trace whose initial weights and inputs this run starts from.
+        mode, include, exclude, full_modules, phases, capture_steps, transfer: see Tracer.
+        autocast: "bf16"/"fp16" to run the forward under torch.autocast.
+        fp8: "e4m3", "e5m2" or "hybrid": Linear matmuls through emulated fp8.
+        local: a full-mode reference trace (the one replayed): every leaf module is also rerun
+            on that reference's inputs of the same call, and its output (and input gradients,
+            from the reference's output gradients) recorded as ``local.*`` entries, so compare
+            can tell the error a module adds from the error it inherits (driftcheck/local.py).
+        target_hooks: called with the model after it is placed, before recording (fault
+            injection in tests and benchmarks).
+        parallel: "ddp" or "fsdp" under torchrun: this rank into ``out/rank-<rank>``, replaying
+            the reference's ``rank-<rank>``; returns that directory.
+    """
+    device = torch.device(device)
+    tdtype = parse_dtype(dtype)
+    rank = world = backend = None
+    if parallel:
+        if fp8 or local is not None or simulate or view_audit:
+            raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
+                                  "--simulate and --view-audit, or record a single process")
+        rank, world, backend = ranks.init_from_env(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        out = rank_dir(out, rank)
+        if replay is not None:
+            src = rank_dir(replay, rank)
+            if not src.is_dir():
+                raise DriftcheckError(f"--replay {replay} has no {src.name}: the reference ran with "
+                                      f"fewer ranks than this run's {world}; use the same --nproc_per_node")
+            replay = src
+    n_steps = int(steps if steps is not None else scenario.steps)
+    if n_steps < 1:
+        raise DriftcheckError(f"--steps must be at least 1, got {n_steps}")
+    model = scenario.model
+    if not any(True for _ in model.parameters()) and not any(True for _ in model.buffers()):
+        if scenario.loss is not None:
+            raise DriftcheckError(f"model {model_id or scenario.name} has no parameters: nothing to "
+                                  "train; drop the loss for an inference-only record")
+    if scenario.loss is not None and not any(p.requires_grad for p in model.parameters()):
+        raise DriftcheckError(f"model {model_id or scenario.name} has no trainable parameters (none "
+                              "requires grad): unfreeze some, or drop the loss for an "
+                              "inference-only record")
+    torch.manual_seed(seed)
+
+    replay_tensors: dict[str, torch.Tensor] = {}
+    if replay is not None:
+        tensors, meta = read_replay(replay)
+        if parallel and meta.get("world_size", world) != world:
+            raise DriftcheckError(f"--replay {Path(replay).parent} was recorded with "
+                                  f"{meta.get('world_size')} ranks, this run has {world}; use the "
+                                  "same --nproc_per_node")
+        _load_replay_state(model, tensors, replay)
+        inputs = meta.get("inputs", [])
+        if not isinstance(inputs, list):
+            raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
+                                  "re-record the reference")
+        all_batches = [decode_batch(d, tensors) for d in inputs]
+        if steps is None:
+            n_steps = len(all_batches)  # a replayed target runs the reference's steps
+        batches = all_batches[:n_steps]
+        if len(batches) < n_steps:
+            raise DriftcheckError(f"--replay {replay} holds {len(batches)} step(s) of inputs but "
+                                  f"{n_steps} were asked for; use --steps {len(batches)} or "
+                                  "re-record the reference with more steps")
+        replay_id = meta.get("replay_id")
+        if not isinstance(meta.get("seed", seed), int) or isinstance(meta.get("seed"), bool):
+            raise DriftcheckError(f"--replay {replay}: the replay file's seed is not an integer; "
+                                  "re-record the reference")
+        seed = int(meta.get("seed", seed))
+        torch.manual_seed(seed)
+    else:
+        batches = [scenario.batch(i) for i in range(n_steps)]
+        replay_id = uuid.uuid4().hex
+        if parallel:
+            batches = [ranks.shard_batch(b, rank, world) for b in batches]
+            replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
+        descs = [encode_batch(b, f"input/{i}", replay_tensors) for i, b in enumerate(batches)]
+        for name, t in model.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.Tensor):
+                kind = "param" if isinstance(t, nn.Parameter) else "buffer"
+                replay_tensors[f"{kind}/{name}"] = t.detach()
+        replay_meta = {"format": "driftcheck.replay", "version": 1, "replay_id": replay_id,
+                       "seed": seed, "steps": n_steps, "inputs": descs, "model": model_id,
+                       "randomness": "dropout masks drawn on CPU from (seed, step, call index)"}
+        if parallel:
+            replay_meta.update(rank=rank, world_size=world)
+
+    model.to(device=device)
+    if tdtype != torch.float32:
+        # Floating tensors only: Module.to(dtype) would also cast complex tensors to real,
+        # silently dropping their imaginary part; integer/bool/complex state keeps its dtype.
+        model._apply(lambda t: t.to(tdtype) if t.is_floating_point() else t)
+    fp8_handle = None
+    if fp8:
+        from driftcheck import fp8 as fp8_mod
+
+        fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(fp8))
+    if target_hooks is not None:
+        target_hooks(model)
+    trained = ranks.wrap(model, parallel, device) if parallel else model  # what the loop calls
+    optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
+    sel_phases = set(phases or ("forward", "backward", "grads", "optimizer"))
+    if scenario.loss is None:
+        sel_phases &= {"forward"}
+    elif optimizer is None:
+        sel_phases -= {"optimizer"}
+
+    dropout = DropoutControl(seed)
+    local_replay = _open_local(local, replay, replay_id, fp8, dropout) if local is not None else None
+    with TraceWriter(out, force=force) as writer:
+        if replay is None:
+            writer.write_replay(replay_tensors, replay_meta)
+        tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, include=include,
+                        exclude=exclude, full_modules=full_modules, phases=sel_phases,
+                        steps=capture_steps, transfer=transfer, seed=seed,
+                        view_audit=view_audit, local=local_replay)
+        tracer.attach()
+        audit_ctx: Any = contextlib.nullcontext()
+        if view_audit:
+            from driftcheck.audit.views import ViewAudit
+
+            tracer.audit = audit_ctx = ViewAudit(lambda: tracer.current_module,
+                                                 lambda: tracer.step_index)
+        fault_ctx: Any = contextlib.nullcontext()
+        if simulate:
+            fault_ctx = simulated_backend(simulate)
+        try:
+            # the fault outside the audit, so the audit sees what the faulty backend does
+            with fault_ctx, audit_ctx:
+                train(trained, batches, scenario, optimizer, device=device, dtype=tdtype,
+                      dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
+                      on_step=on_step, model_id=model_id)
+            if tracer.audit is not None:
+                tracer.events = tracer.audit.events()
+        finally:
+            tracer._active = False
+            tracer.detach()
+            if fp8_handle is not None:
+                fp8_handle.remove()
+            if local_replay is not None:
+                local_replay.close()
+        run = run_metadata(model=model, device=device, mode=mode, steps=n_steps,
+                           dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
+                           seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
+                           replay_id=replay_id, replay_of=str(replay) if replay else None,
+                           simulated_backend=simulate,
+                           autocast=autocast, fp8=fp8,
+                           local_of=str(local) if local is not None else None,
+                           capture={"include": list(include or []), "exclude": list(exclude or []),
+                                    "phases": sorted(sel_phases), "transfer": transfer},
+                           **({"rank": rank, "world_size": world, "parallel": parallel,
+                               "backend": backend} if parallel else {}))
+        extra = tracer.manifest_extra()
+        if tracer.fp8_stats:
+            extra["fp8"] = tracer.fp8_stats
+        if tracer.events:
+            extra["view_events"] = tracer.events
+        writer.close(run, extra=extra)
+    return Path(out)
+
+
+def train(model: nn.Module, batches: list[Any], scenario: Scenario,
+          optimizer: torch.optim.Optimizer | None, *, device: torch.device, dtype: torch.dtype,
+          dropout: DropoutControl, autocast: str | None = None, tracer: Tracer | None = None,
+          fp8_handle: Any = None, on_step: Callable[[int, int], None] | None = None,
+          model_id: str | None = None) -> list[dict[str, Any]]:
+    """The training loop of a record, traced or not (the same code: tracing must not change
+    the numbers). Returns per step the loss and output (detached) for tests."""
+    results = []
+    name = model_id or scenario.name
+    for step, raw in enumerate(batches):
+        dropout.set_step(step)
+        batch = cast_batch(raw, device, dtype)
+        with dropout, _autocast(device, autocast):
+            with _user_code(name, "the forward", step):
+                output = call_model(model, batch)
+            with _user_code(name, "loss(output, batch)", step):
+                loss = scenario.loss(output, batch) if scenario.loss else None
+        if loss is not None:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise DriftcheckError(f"{name}: loss(output, batch) must return "
+                                      f"a scalar tensor, got {type(loss).__name__}")
+            if not loss.requires_grad:
+                raise DriftcheckError(f"{name}: the loss of step {step} does not depend on any "
+                                      "trainable parameter (no grad_fn); check the loss function, "
+                                      "or drop the loss for an inference-only record")
+            if tracer is not None:
+                tracer.record_loss(loss)
+            with _user_code(name, "the backward", step):
+                loss.backward()
+            if optimizer is not None:
+                with _user_code(name, "the optimizer step", step):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        if tracer is not None:
+            tracer.step()
+        if fp8_handle is not None and tracer is not None:
+            tracer.fp8_stats += [dict(s, step=step) for s in fp8_handle.stats()]
+            fp8_handle.reset()
+        results.append({"loss": None if loss is None else loss.detach().clone(),
+                        "output": output})
+        if on_step is not None:
+            on_step(step + 1, len(batches))
+    return results
+
+
+@contextlib.contextmanager
+def _user_code(name: str, what: str, step: int) -> Any:
+    """Turn an exception raised by the user's model code into one clear line (exit 2); the
+    original stays chained for --debug. Our own errors and Ctrl-C pass through untouched."""
+    try:
+        yield
+    except DriftcheckError:
+        raise
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
+                              "(fix the model code; --debug shows the traceback)") from e
+
+
+def simulated_backend(name: str) -> Any:
+    """A simulated faulty backend (driftcheck/simulate.py) for checking the audits end to end."""
+    from driftcheck import simulate as sim
+
+    makers = {"views-become-copies": sim.views_become_copies, "drop-view-writes": sim.drop_view_writes,
+              "skip-bn-stats": sim.skip_batchnorm_stat_updates}
+    if name not in makers:
+        raise DriftcheckError(f"unknown --simulate {name!r}: choose one of {', '.join(makers)}")
+    return makers[name]()
+
+
+def _autocast(device: torch.device, autocast: str | None):
+    if not autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=parse_dtype(autocast))
+
+
+def _open_local(local: str | os.PathLike, replay: str | os.PathLike | None, replay_id: str | None,
+                fp8: str | None, dropout: DropoutControl) -> Any:
+    from driftcheck.record.local import LocalReplay
+
+    if replay is None:
+        raise DriftcheckError(f"--local {local} needs --replay: the local replay feeds each module "
+                              "the reference's inputs, so the run must start from the same "
+                              "weights and inputs (pass --replay with the same reference)")
+    if fp8:
+        raise DriftcheckError("--local cannot be combined with --fp8 yet: the replay would advance "
+                              "the fp8 scaling history; record the fp8 target without --local")
+    lr = LocalReplay(local, dropout)
+    if lr.replay_id != replay_id:
+        lr.close()
+        raise DriftcheckError(f"--local {local} is not the trace replayed by --replay {replay} "
+                              "(different replay_id); pass the same reference to both")
+    return lr
+
+
+def _load_replay_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Any) -> None:
+    state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(("param/", "buffer/"))}
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise DriftcheckError(
+            f"--replay {replay} was recorded from a different model: "
+            f"{len(missing)} tensor(s) missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:3]}); record the target with the same MODEL as the reference")
+    bad = [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
+    if bad:
+        raise DriftcheckError(f"--replay {replay}: shapes differ for {bad[:3]}; the reference was "
+                              "recorded from a different model configuration")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])

@@ -1,0 +1,287 @@
+"""The tracer: hooks that capture every activation, gradient and state tensor of a training step.
+
+How each phase is captured (no ``register_full_backward_hook``: it raises when a module's output
+is later modified in place, as BatchNorm followed by ``ReLU(inplace=True)`` is in every ResNet):
+- forward: a pre-hook copies the inputs, a hook copies the outputs (copies at hook time, so a
+  later in-place op cannot change what was recorded);
+- backward: a tensor hook on each output gives the gradient w.r.t. that output; the gradient
+  w.r.t. each input is read off the autograd edges that leave the module's own subgraph (nodes
+  created during the call, found by sequence number) through node post-hooks, so it is this
+  module's contribution alone and in-place ops inside the module are fine;
+- params/buffers before the step, parameter gradients (post-accumulate hooks), parameters,
+  buffers and optimizer state after the optimizer step, and the loss.
+Hooks only copy: the computation, RNG streams and autograd graph are left as they were, so
+traced and untraced runs are bitwise equal.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from driftcheck import stats as tstats
+from driftcheck.record.autograd import BackwardHooks
+from driftcheck.record.capture import Capturing, _Pending
+from driftcheck.record.hooks import ForwardHooks
+from driftcheck.record.metadata import run_metadata
+from driftcheck.store import format as fmt
+from driftcheck.store.writer import TraceWriter
+
+SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
+_SELECTED_BY = {"params": "forward", "loss": "forward"}  # phases --phases does not name
+
+
+class Tracer(ForwardHooks, BackwardHooks, Capturing):
+    """Captures one model's training steps into a TraceWriter.
+
+    Args:
+        model: the module to trace (hooks go on every submodule).
+        writer: where captures go.
+        mode: "full" (tensors), "stats" (statistics + a seeded sample), "auto" (stats, full
+            tensors for modules matching ``full_modules``).
+        optimizer: if given, parameters/state after its ``step()`` are captured right then.
+        include / exclude: module path globs selecting what is captured (params follow their
+            owning module).
+        phases: subset of ("forward", "backward", "grads", "optimizer").
+        steps: step indices to capture (None = all).
+        transfer: "batched" (one device-to-host transfer per step) or "per-capture".
+        seed: seeds the stats-mode sample indices (same on both runs).
+        audits: run the BatchNorm running-stat audit.
+    """
+
+    def __init__(self, model: nn.Module, writer: TraceWriter, *, mode: str = "full",
+                 optimizer: torch.optim.Optimizer | None = None,
+                 include: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
+                 full_modules: Iterable[str] | None = None,
+                 phases: Iterable[str] | None = None, steps: Iterable[int] | None = None,
+                 transfer: str = "batched", seed: int = 0, audits: bool = True,
+                 view_audit: bool = False, max_pending_bytes: int = 1 << 30,
+                 local: Any = None) -> None:
+        if mode not in fmt.MODES:
+            raise ValueError(f"mode must be one of {fmt.MODES}, not {mode!r}")
+        self.model = model
+        self.writer = writer
+        self.mode = mode
+        self.include = list(include or [])
+        self.exclude = list(exclude or [])
+        self.full_modules = list(full_modules or [])
+        self.phases = set(phases or fmt.SELECTABLE_PHASES)
+        self.steps = None if steps is None else set(steps)
+        self.transfer = transfer
+        self.seed = seed
+        self.audits = audits
+        self.view_audit = view_audit
+        self.local = local  # a local.LocalReplay: replay leaf modules on the reference's inputs
+        self._replaying = False
+        self.max_pending_bytes = max_pending_bytes
+        self.optimizer = optimizer
+        self.names = {m: n for n, m in model.named_modules()}
+        self.param_owner = {}
+        for name, p in model.named_parameters():
+            mod, _, leaf = name.rpartition(".")
+            self.param_owner[id(p)] = (mod, leaf, p)
+        # Parameters a module holds but another owns (tied embeddings and heads, shared weights):
+        # captured once, under the owner; compare needs to know who else computes with them.
+        self.tied_params = [
+            {"module": name, "param": leaf, "owner": self.param_owner[id(p)][0],
+             "owner_param": self.param_owner[id(p)][1]}
+            for module, name in self.names.items()
+            for leaf, p in module.named_parameters(recurse=False)
+            if id(p) in self.param_owner and self.param_owner[id(p)][:2] != (name, leaf)]
+        self.step_index = 0
+        self.findings: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._handles: list[Any] = []
+        self._node_handles: list[Any] = []
+        self._pending: list[_Pending] = []
+        self._pending_bytes = 0
+        self._active = False
+        self._reset_step()
+        self._select_cache: dict[str, bool] = {}
+        self.audit: Any = None  # a ViewAudit dispatch mode, when the view audit is on
+        self.fp8_stats: list[dict[str, Any]] = []
+        self._host = tstats.HostSummaries(seed)
+        self._static: dict[str, dict[str, Any]] = {}  # module path -> _static_meta
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What the manifest records besides the entries: the run's findings, and the tied
+        parameters (module, param) -> (owner, owner_param), if any."""
+        extra: dict[str, Any] = {"findings": self.findings}
+        if self.tied_params:
+            extra["tied_params"] = self.tied_params
+        return extra
+
+    @property
+    def current_module(self) -> str:
+        """The module path running now (for the view audit); "" outside any module."""
+        return self._stack[-1][0] if self._stack else ""
+
+    def _quiet(self) -> Any:
+        # The tracer's own copies must not show up in the view/in-place audit.
+        return self.audit.paused() if self.audit is not None else contextlib.nullcontext()
+
+    # -- selection ---------------------------------------------------------------------------
+    def _selected(self, module: str) -> bool:
+        hit = self._select_cache.get(module)
+        if hit is None:
+            hit = (not self.include or any(fnmatch.fnmatchcase(module, g) for g in self.include)) \
+                and not any(fnmatch.fnmatchcase(module, g) for g in self.exclude)
+            self._select_cache[module] = hit
+        return hit
+
+    def _capturing(self, phase: str) -> bool:
+        if self.steps is not None and self.step_index not in self.steps:
+            return False
+        if phase == "params":
+            return bool(self.phases & {"forward", "optimizer"})
+        return _SELECTED_BY.get(phase, phase) in self.phases
+
+    def _full(self, module: str) -> bool:
+        if self.mode == "full":
+            return True
+        if self.mode == "auto":
+            return any(fnmatch.fnmatchcase(module, g) for g in self.full_modules)
+        return False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def attach(self) -> "Tracer":
+        for module, name in self.names.items():
+            self._handles.append(module.register_forward_pre_hook(
+                self._make_pre_hook(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                self._make_post_hook(name), with_kwargs=True))
+        for _, (mod, leaf, p) in self.param_owner.items():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self._capture_after_update()))
+        self._active = True
+        self._capture_state("params")
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles + self._node_handles:
+            h.remove()
+        self._handles.clear()
+        self._node_handles.clear()
+        self._active = False
+
+    def _reset_step(self) -> None:
+        self._order = 0
+        self._seen_keys: set[str] = set()
+        self._calls: dict[str, int] = {}
+        self._stack: list[tuple[str, int]] = []
+        self._grads: dict[int, torch.Tensor] = {}
+        self._updated = False
+        self._bn_before: dict[tuple[str, int], Any] = {}
+        self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
+        self._start_seq: dict[tuple[str, int], int] = {}
+        self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
+        self._weight_sq: dict[int, tuple[int, torch.Tensor]] = {}
+        # id(output node) -> (start sequence number, the node, exit edges) of this step's calls
+        self._exits: dict[int, tuple[int, Any, list[tuple[Any, int, Any, int]]]] = {}
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Capture the step's loss (phase ``loss``)."""
+        if self._capturing("loss") and isinstance(loss, torch.Tensor):
+            self._capture("", "loss", 0, "loss", loss)
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """End the current step: capture what is left, write it out, start the next step."""
+        if loss is not None:
+            self.record_loss(loss)
+        if self._capturing("grads"):
+            for pid, g in self._grads.items():
+                mod, leaf, _ = self.param_owner[pid]
+                if self._selected(mod):
+                    self._capture(mod, "grads", 0, f"param.{leaf}", g, copy=False)
+        if not self._updated:
+            self._capture_after_update()
+        self.flush()
+        for h in self._node_handles:
+            h.remove()
+        self._node_handles.clear()
+        self.step_index += 1
+        self._reset_step()
+        if self._active:
+            self._capture_state("params")
+
+    # -- state captures ------------------------------------------------------------------------
+    def _capture_state(self, phase: str) -> None:
+        if not self._capturing(phase):
+            return
+        for mod_name, module in self.model.named_modules():
+            if not self._selected(mod_name):
+                continue
+            for leaf, p in module.named_parameters(recurse=False):
+                if self.param_owner.get(id(p), (mod_name,))[0] == mod_name:
+                    self._capture(mod_name, phase, 0, f"param.{leaf}", p)
+            for leaf, b in module.named_buffers(recurse=False):
+                if b is not None:
+                    self._capture(mod_name, phase, 0, f"buffer.{leaf}", b)
+
+    def _capture_after_update(self) -> None:
+        if self._updated:
+            return
+        self._updated = True
+        if not self._capturing("optimizer"):
+            return
+        self._capture_state("optimizer")
+        if self.optimizer is None:
+            return
+        for p, state in self.optimizer.state.items():
+            owner = self.param_owner.get(id(p))
+            if owner is None or not self._selected(owner[0]):
+                continue
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    self._capture(owner[0], "optimizer", 0, f"state.{owner[1]}.{k}", v)
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._grads[id(p)] = p.grad.detach().clone()
+
+
+@contextlib.contextmanager
+def trace(model: nn.Module, out: str, *, mode: str = "full",
+          optimizer: torch.optim.Optimizer | None = None, force: bool = False,
+          run: dict[str, Any] | None = None, **kwargs: Any) -> Iterator[Tracer]:
+    """Record a model you drive yourself.
+
+    Args:
+        model: the module to trace.
+        out: the trace directory to create.
+        mode: "full", "stats" or "auto".
+        optimizer: optional; parameters and optimizer state are captured after its step().
+        force: overwrite an existing trace directory.
+        run: extra run metadata for the manifest.
+        **kwargs: passed to :class:`Tracer` (include, exclude, phases, steps, transfer, seed).
+
+    Example:
+        >>> with driftcheck.trace(model, out="trace", optimizer=opt) as t:
+        ...     for batch in batches:
+        ...         loss = loss_fn(model(batch)); loss.backward(); opt.step(); opt.zero_grad()
+        ...         t.step(loss)
+    """
+    with TraceWriter(out, force=force) as writer:
+        tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, **kwargs).attach()
+        try:
+            yield tracer
+        finally:
+            tracer._active = False
+            tracer.detach()
+        tracer.flush()
+        meta = run_metadata(model=model, device=_model_device(model), mode=mode,
+                            steps=tracer.step_index)
+        meta.update(run or {})
+        writer.close(meta, extra=tracer.manifest_extra())
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

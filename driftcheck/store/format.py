@@ -1,0 +1,254 @@
+"""The trace format: the one place that defines it (docs/trace-format.md is its prose twin).
+
+A trace is a directory:
+    manifest.json          written last, atomically; its presence means the trace is complete
+    shard-00000.safetensors ...  captured tensors, shards of bounded size
+    replay.safetensors     initial parameters/buffers, per-step inputs, seeds (see replay.py)
+
+Pure and torch-free at import (the policy and the renderers read its phases): no filesystem
+access here (the rest of driftcheck.store does the I/O), so the reader can
+validate a manifest dict before touching any shard.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+FORMAT_NAME = "driftcheck.trace"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+REPLAY = "replay.safetensors"
+INCOMPLETE = "INCOMPLETE"  # marker file of a record in progress or interrupted
+SHARD_PATTERN = re.compile(r"^shard-\d{5}\.safetensors$")
+
+# Phases in execution order within a step.
+PHASES = ("params", "forward", "loss", "backward", "grads", "optimizer")
+PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
+# The user-facing phase selection (`--phases`): params and loss always come with forward/optimizer.
+SELECTABLE_PHASES = ("forward", "backward", "grads", "optimizer")
+
+MODES = ("full", "stats", "auto")
+
+# Slots: input.<path> / output.<path> (forward), grad_output.<path> / grad_input.<path>
+# (backward), param.<name> / buffer.<name>, state.<param>.<key>, loss; a local-replay capture
+# (record --local) is local.<slot> beside the entry it replays.
+LOCAL_PREFIX = "local."
+
+
+def is_local_slot(slot: str) -> bool:
+    """Whether ``slot`` is a local-replay capture (``local.output.0``, ``local.grad_input.0``)."""
+    return slot.startswith(LOCAL_PREFIX)
+
+
+def base_slot(slot: str) -> str:
+    """``local.output.0`` -> ``output.0``: the propagated entry a local capture stands beside."""
+    return slot[len(LOCAL_PREFIX):] if is_local_slot(slot) else slot
+
+
+def key_string(step: int, phase: str, module: str, call: int, slot: str) -> str:
+    """An entry's ``key``: the semantic address of one captured tensor, never a global counter.
+    Human-readable and stable; the fields are stored separately too, so the string never has
+    to be parsed back."""
+    return f"{step}/{phase}/{module or '.'}/{call}/{slot}"
+
+
+def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:
+    """(step, phase, module, call, slot): what two runs' entries are matched on."""
+    return (entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
+
+
+# A tied parameter: ``module`` holds ``param``, which ``owner`` owns as ``owner_param`` (where
+# it is captured); optional manifest field ``tied_params``, a list of these.
+TIED_FIELDS = ("module", "param", "owner", "owner_param")
+
+
+class FormatError(ValueError):
+    """A manifest that does not follow this format."""
+
+
+_ENTRY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "key": str, "module": str, "phase": str, "step": int, "call": int, "slot": str,
+    "order": int, "shape": list, "dtype": str, "stats": dict,
+}
+
+
+def validate_manifest(m: Any) -> dict[str, Any]:
+    """Check a parsed manifest.json; raise FormatError naming the first problem."""
+    from driftcheck.dtypes import TRACE_DTYPES  # the dtypes a shard can store (imports torch)
+
+    if not isinstance(m, dict):
+        raise FormatError("manifest is not a JSON object")
+    if m.get("format") != FORMAT_NAME:
+        raise FormatError(f"manifest 'format' is {m.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = m.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise FormatError("manifest 'version' is missing or not an integer")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"trace format version {version} is not supported by this driftcheck "
+            f"(it reads version {FORMAT_VERSION}); re-record the trace or upgrade driftcheck")
+    for name, typ in (("run", dict), ("entries", list), ("shards", dict)):
+        if not isinstance(m.get(name), typ):
+            raise FormatError(f"manifest field {name!r} is missing or not a {typ.__name__}")
+    _check_run(m["run"])
+    if m.get("replay") not in (None, REPLAY):
+        raise FormatError(f"manifest 'replay' is {m['replay']!r}; a trace's replay file is always "
+                          f"{REPLAY!r} inside the trace")
+    for name in ("findings", "view_events", "fp8"):
+        v = m.get(name)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+            raise FormatError(f"manifest field {name!r} is not a list of objects")
+    for i, f in enumerate(m.get("findings") or []):
+        if not all(isinstance(f.get(k), str) for k in ("kind", "module", "message")) \
+                or not (f.get("step") is None or _is_int(f["step"])) \
+                or not all(f.get(k) is None or isinstance(f[k], str) for k in ("phase", "key", "severity")) \
+                or not (f.get("details") is None or isinstance(f["details"], dict)):
+            raise FormatError(f"manifest finding {i} is malformed (kind, module, message must be "
+                              "strings, step an integer or null)")
+    tied = m.get("tied_params")
+    if tied is not None and not (isinstance(tied, list) and all(
+            type(t) is dict and all(type(t.get(k)) is str for k in TIED_FIELDS) for t in tied)):
+        raise FormatError("manifest field 'tied_params' is not a list of objects with string "
+                          f"fields {', '.join(TIED_FIELDS)}")
+    for shard, size in m["shards"].items():
+        check_shard_name(shard)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(f"manifest shard {shard!r} has an invalid byte size")
+    seen: set[tuple] = set()
+    shards = m["shards"]
+    for i, e in enumerate(m["entries"]):
+        if type(e) is not dict:
+            raise FormatError(f"manifest entry {i} is not an object")
+        for f, typ in _ENTRY_FIELDS.items():
+            v = e.get(f)
+            if type(v) is not typ:  # exact: json.loads makes no subclasses, and bool is no int
+                raise FormatError(f"manifest entry {i} field {f!r} is missing or has the wrong type")
+        if e["phase"] not in PHASE_RANK:
+            raise FormatError(f"manifest entry {i} has unknown phase {e['phase']!r}")
+        if e["dtype"] not in TRACE_DTYPES:
+            raise FormatError(f"manifest entry {i} has unsupported dtype {e['dtype']!r}")
+        for d in e["shape"]:
+            if type(d) is not int or not 0 <= d < 2**40:
+                raise FormatError(f"manifest entry {i} has an invalid shape {e['shape']!r}")
+        if e["step"] < 0 or e["call"] < 0:
+            raise FormatError(f"manifest entry {i} has a negative step or call")
+        tensor = e.get("tensor")
+        if tensor is not None:
+            if type(tensor) is not dict or type(tensor.get("shard")) is not str \
+                    or type(tensor.get("name")) is not str:
+                raise FormatError(f"manifest entry {i} has a malformed 'tensor' reference")
+            if tensor["shard"] not in shards:
+                raise FormatError(f"manifest entry {i} points to shard {tensor['shard']!r} "
+                                  "that the manifest does not list")
+        sample = e.get("sample")
+        if sample is not None and not (type(sample) is dict and type(sample.get("shard")) is str
+                                       and sample["shard"] in shards
+                                       and type(sample.get("name")) is str):
+            raise FormatError(f"manifest entry {i} has a malformed 'sample' reference")
+        _check_stats(i, e["stats"])
+        meta = e.get("meta")
+        if meta is not None:
+            _check_meta(i, meta)
+        k = entry_align(e)
+        if k in seen:
+            raise FormatError(f"manifest entry {i} repeats key {e['key']!r}")
+        seen.add(k)
+    return m
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v is None
+
+
+# run fields that compare and the renderers compute with: their types are checked, other run
+# fields are free-form metadata (shown escaped, never evaluated).
+_RUN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "steps": int, "model_id": str, "scenario": str, "device": str, "dtype": str, "mode": str,
+    "replay_id": str, "precision": dict, "seed": int, "autocast": str, "fp8": str,
+}
+
+
+_PRECISION_FIELDS: dict[str, type] = {
+    "device": dict, "dtype": str, "autocast": str, "matmul_precision": str, "allow_tf32": dict,
+    "fp32_precision": dict, "fp8": dict, "versions": dict, "host": dict, "env": dict,
+}
+
+
+def _check_run(run: dict[str, Any]) -> None:
+    for f, typ in _RUN_FIELDS.items():
+        v = run.get(f)
+        if v is not None and (not isinstance(v, typ) or (typ is int and isinstance(v, bool))):
+            raise FormatError(f"manifest run field {f!r} has the wrong type ({type(v).__name__})")
+    if run.get("steps") is not None and not 0 <= run["steps"] <= 1 << 31:
+        raise FormatError(f"manifest run 'steps' is {run['steps']}, expected a step count")
+    for f, typ in _PRECISION_FIELDS.items():  # what the noise floor reads (precision.py)
+        v = (run.get("precision") or {}).get(f)
+        if v is not None and not isinstance(v, typ):
+            raise FormatError(f"manifest run precision field {f!r} has the wrong type "
+                              f"({type(v).__name__}, expected {typ.__name__})")
+
+
+_NUMBER_TYPES = (int, float, type(None))
+
+
+def _check_stats(i: int, stats: dict[str, Any]) -> None:
+    # Summary statistics are numbers, or null where a tensor has no finite value (json_safe).
+    for k, v in stats.items():
+        if type(v) not in _NUMBER_TYPES:
+            raise FormatError(f"manifest entry {i} stat {k!r} is not a number")
+    for k in ("nan", "inf", "numel"):
+        v = stats.get(k)
+        if v is not None and not (type(v) is int and v >= 0):
+            raise FormatError(f"manifest entry {i} stat {k!r} is not a non-negative count")
+
+
+_PARENT = re.compile(r"^.*#\d{1,9}$", re.S)
+
+
+def _check_meta(i: int, meta: Any) -> None:
+    # Fields compare reads from an entry's meta (the noise-floor inputs and the module tree).
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise FormatError(f"manifest entry {i} 'meta' is not an object")
+    parent = meta.get("parent")
+    if parent is not None and not (isinstance(parent, str) and _PARENT.match(parent)):
+        raise FormatError(f"manifest entry {i} meta 'parent' is not of the form MODULE#CALL")
+    for k in ("kind", "module_type"):
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise FormatError(f"manifest entry {i} meta {k!r} is not a string")
+    if meta.get("k") is not None and not (_is_int(meta["k"]) and meta["k"] >= 0):
+        raise FormatError(f"manifest entry {i} meta 'k' is not a non-negative integer")
+    prof = meta.get("kink_profile")
+    if prof is not None and not (isinstance(prof, list) and 0 < len(prof) <= 64
+                                 and all(_is_int(c) and c >= 0 for c in prof)):
+        raise FormatError(f"manifest entry {i} meta 'kink_profile' is not a list of counts")
+    v = meta.get("mag_rms")
+    if not (_is_num(v) and (v is None or v >= 0)):
+        raise FormatError(f"manifest entry {i} meta 'mag_rms' is not a non-negative number")
+
+
+def json_safe(obj: Any, default: Callable[[Any], Any] | None = None) -> Any:
+    """``obj`` as plain JSON data with every non-finite float replaced by None: strict JSON has
+    no NaN/Inf, and a statistic over a tensor without a finite value (all NaN, zero-size) simply
+    has no value. ``default`` converts what json cannot encode (as ``json.dumps``'s). One trip
+    through the C encoder and decoder: NaN/Infinity tokens come back as None."""
+    return json.loads(json.dumps(obj, default=default), parse_constant=lambda _: None)
+
+
+def check_shard_name(name: Any) -> str:
+    """Shard names are plain file names inside the trace: no paths, no '..', no links out."""
+    if not isinstance(name, str) or not SHARD_PATTERN.match(name):
+        raise FormatError(f"shard name {name!r} is not of the form shard-NNNNN.safetensors "
+                          "(a trace never points outside its directory)")
+    return name
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"

@@ -1,0 +1,35 @@
+"""Directories that hold traces: a multi-rank run (``rank-<r>`` per rank) and a ``driftcheck run``
+directory (reference, target, truth and the reports)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from driftcheck.store import format as fmt
+
+RANK_DIR = re.compile(r"^rank-(\d+)$")
+
+# driftcheck run OUT: one trace per side, the reports beside them.
+REFERENCE, TARGET, TRUTH = "reference", "target", "truth"
+REPORT_JSON, REPORT_HTML = "report.json", "report.html"
+RUN_CONTENTS = frozenset({REFERENCE, TARGET, TRUTH, REPORT_JSON, REPORT_HTML})
+
+
+def rank_dir(out: str | os.PathLike, rank: int) -> Path:
+    """The trace directory of ``rank`` inside a multi-rank run directory."""
+    return Path(out) / f"rank-{rank}"
+
+
+def rank_dirs(run_dir: str | os.PathLike) -> dict[int, Path]:
+    """{rank: trace directory} of a multi-rank run directory; empty for a single trace."""
+    p = Path(run_dir)
+    if not p.is_dir() or (p / fmt.MANIFEST).exists():
+        return {}
+    found = {int(m.group(1)): c for c in p.iterdir()
+             if c.is_dir() and not c.is_symlink() and (m := RANK_DIR.match(c.name))}
+    return dict(sorted(found.items()))
+
+
+def is_multirank(run_dir: str | os.PathLike) -> bool:
+    return bool(rank_dirs(run_dir))

@@ -1,0 +1,309 @@
+"""TraceWriter: the one writer of trace directories.
+
+Shards of bounded size, written by a background thread to a temp name and renamed;
+``manifest.json`` last and atomically (its presence means the trace is complete); an
+``INCOMPLETE`` marker while a record runs or after it failed.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.store import format as fmt
+from driftcheck.store.replay import write_replay
+from driftcheck.store.shard import code_of, strict_json, write_error, write_safetensors
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def prepare_out_dir(out: str | os.PathLike, force: bool) -> Path:
+    """Create ``out`` for a new trace; never overwrite an existing one without ``force``."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise DriftcheckError(f"--out {p} exists and is not a directory; choose another path")
+    if p.exists() and any(p.iterdir()):
+        if not force:
+            raise DriftcheckError(f"--out {p} already exists and is not empty; "
+                                  "pass --force to overwrite it or choose another directory")
+        if not ((p / fmt.MANIFEST).exists() or (p / fmt.INCOMPLETE).exists()):
+            # --force replaces a trace, never an arbitrary directory (think --out ~ --force).
+            raise DriftcheckError(f"--out {p} is not empty and is not a driftcheck trace; "
+                                  "--force only replaces traces: choose another directory")
+        # Remove the manifest first so a crash mid-delete never leaves a "complete" trace.
+        (p / fmt.MANIFEST).unlink(missing_ok=True)
+        for child in p.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+class TraceWriter:
+    """Writes one trace directory. Use as a context manager: an exception aborts the trace.
+
+    Tensors handed to :meth:`add` are grouped into shards of at most ``shard_bytes`` and written
+    by a background thread, so writing overlaps the training step. Host memory is bounded:
+    tensors accepted but not yet on disk never exceed ``queue_bytes`` (``add`` waits for the
+    writer when they would; one tensor larger than that is written on its own). A failure in the
+    writer thread (disk full, quota) is raised on the calling thread by the next ``add``,
+    ``flush`` or ``close``; the trace is then aborted, so no manifest is ever written over a
+    shard that failed.
+
+    Args:
+        out: the trace directory to create.
+        force: overwrite an existing trace directory.
+        shard_bytes: target shard size; a shard is handed to the writer when full.
+        queue_bytes: bound on host memory held by tensors waiting to be written.
+        background: write on a background thread (False: on the caller's thread, same files).
+        fsync: fsync every shard before the manifest is written (a manifest never outlives
+            a shard after a power loss).
+
+    ``add`` keeps a reference to the tensor until it is written: callers pass copies they will
+    not modify (the tracer does, it copies at hook time).
+    """
+
+    def __init__(self, out: str | os.PathLike, *, force: bool = False,
+                 shard_bytes: int = 64 << 20, queue_bytes: int = 512 << 20,
+                 background: bool = True, fsync: bool = True) -> None:
+        self.dir = prepare_out_dir(out, force)
+        (self.dir / fmt.INCOMPLETE).write_text("record in progress or interrupted\n")
+        self.shard_bytes = shard_bytes
+        self.queue_bytes = max(queue_bytes, 1)
+        self.background = background
+        self.fsync = fsync
+        self.entries: list[dict[str, Any]] = []
+        self.shards: dict[str, int] = {}
+        self._shard_index = 0
+        self._shard_name = fmt.shard_name(0)  # the shard being filled
+        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._pending_bytes = 0
+        self._keys: set[tuple] = set()
+        self.closed = False
+        # Bytes accepted and not yet on disk (current shard + queued + being written).
+        self._held = 0
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, list[tuple[str, torch.Tensor]], int] | None] = \
+            collections.deque()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- tensors -------------------------------------------------------------------------
+    def add(self, entry: dict[str, Any], tensor: torch.Tensor | None,
+            sample: torch.Tensor | None = None) -> None:
+        """Add one manifest entry; ``tensor`` (a host tensor) is stored in the current shard."""
+        self._raise_if_failed()
+        k = fmt.entry_align(entry)
+        if k in self._keys:
+            raise RuntimeError(f"duplicate trace key {entry['key']}")
+        self._keys.add(k)
+        if tensor is not None:
+            entry["tensor"] = self._stash(entry["key"], tensor)
+        if sample is not None:
+            entry["sample"] = self._stash(entry["key"] + "#sample", sample)
+        self.entries.append(entry)
+
+    def _stash(self, name: str, tensor: torch.Tensor) -> dict[str, str]:
+        t = tensor.detach() if tensor.requires_grad else tensor
+        if not t.is_cpu:
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        code_of(t.dtype, name)  # refuse an unstorable dtype now, not in the writer thread
+        nbytes = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
+            self.flush()
+        self._reserve(nbytes)
+        self._pending.append((name, t))
+        self._pending_bytes += nbytes
+        return {"shard": self._shard_name, "name": name}
+
+    def _reserve(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit in the host-memory bound (backpressure on the caller)."""
+        with self._cond:
+            if self._held + nbytes <= self.queue_bytes or self._held == 0:
+                self._held += nbytes
+                return
+        # The shard being filled is part of what is held: hand it over so the wait can end.
+        if self._pending:
+            self.flush()
+        with self._cond:
+            while self._held and self._held + nbytes > self.queue_bytes and self._error is None:
+                self._cond.wait()
+            self._held += nbytes
+        self._raise_if_failed()
+
+    def flush(self, inline: bool = False) -> None:
+        """Hand the current shard to the writer (it is written in the background; ``inline``:
+        on this thread, now)."""
+        self._raise_if_failed()
+        if not self._pending:
+            return
+        name = self._shard_name
+        job = (name, self._pending, self._pending_bytes)
+        self._shard_index += 1
+        self._shard_name = fmt.shard_name(self._shard_index)
+        self._pending, self._pending_bytes = [], 0
+        if not self.background or inline:
+            self._write_job(job)
+            self._raise_if_failed()
+            return
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"driftcheck-writer:{self.dir.name}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                job = self._queue.popleft()
+            if job is None:
+                return
+            self._write_job(job)
+
+    def _write_job(self, job: tuple[str, list[tuple[str, torch.Tensor]], int]) -> None:
+        name, tensors, nbytes = job
+        try:
+            if self._error is None:
+                path = self.dir / name
+                tmp = self.dir / f".{name}.tmp"
+                # fsync at close, once for all shards: a sync per shard would stall the pipeline
+                # on the device while the next shard waits (dd's conv=fsync does the same).
+                write_safetensors(tmp, tensors, fsync=False)
+                os.replace(tmp, path)
+                size = path.stat().st_size
+                with self._cond:
+                    self.shards[name] = size
+        except BaseException as e:  # surfaced on the caller's thread
+            with self._cond:
+                self._error = e
+        finally:
+            tensors.clear()
+            with self._cond:
+                self._held -= nbytes
+                self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Flush and wait until every shard handed over so far is on disk."""
+        # No shard went to the background yet (a stats-mode trace is often one small shard):
+        # the caller would only wait for it, so it is written here, without a thread to start.
+        self.flush(inline=self._thread is None)
+        with self._cond:
+            while (self._queue or self._held) and self._error is None:
+                self._cond.wait()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        e = self._error
+        if e is None:
+            return
+        if isinstance(e, OSError):
+            raise write_error(self.dir, e) from e
+        raise DriftcheckError(f"writing trace {self.dir} failed: {type(e).__name__}: {e}") from e
+
+    def _sync_shards(self) -> None:
+        """Every shard durable before the manifest that points to it is written."""
+        try:
+            for name in self.shards:
+                fd = os.open(self.dir / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fd = os.open(self.dir, os.O_RDONLY)  # the renames
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise write_error(self.dir, e) from e
+
+    def _stop_thread(self) -> None:
+        if self._thread is None:
+            return
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    # -- replay --------------------------------------------------------------------------
+    def write_replay(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Write the trace's replay file (driftcheck/store/replay.py)."""
+        write_replay(self.dir, tensors, meta, fsync=self.fsync)
+
+    # -- finish --------------------------------------------------------------------------
+    def close(self, run: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+        """Write every shard, then the manifest last, atomically. Returns the manifest path."""
+        self.drain()
+        self._stop_thread()
+        if self.fsync:
+            self._sync_shards()
+        manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "run": run,
+                    "shards": dict(sorted(self.shards.items())), "entries": self.entries}
+        if (self.dir / fmt.REPLAY).exists():
+            manifest["replay"] = fmt.REPLAY
+        manifest.update(extra or {})
+        # Strict JSON: statistics of a tensor without finite values (all NaN, zero-size) are
+        # null. What is validated is what is written: the text, parsed back.
+        text = strict_json(manifest)
+        fmt.validate_manifest(orjson.loads(text))
+        try:
+            _fsync_write(self.dir / fmt.MANIFEST, text)
+        except OSError as e:
+            raise write_error(self.dir, e) from e
+        (self.dir / fmt.INCOMPLETE).unlink(missing_ok=True)
+        self.closed = True
+        return self.dir / fmt.MANIFEST
+
+    def abort(self, reason: str) -> None:
+        """Leave a directory that can never pass as complete: no manifest, partial shards gone."""
+        self._pending = []
+        with self._cond:
+            self._queue.clear()
+            if self._error is None:
+                self._error = RuntimeError(f"trace aborted: {reason}")
+            self._cond.notify_all()
+        self._stop_thread()
+        for p in self.dir.glob(".*.tmp"):
+            p.unlink(missing_ok=True)
+        (self.dir / fmt.MANIFEST).unlink(missing_ok=True)
+        try:
+            (self.dir / fmt.INCOMPLETE).write_text(f"record did not finish: {reason}\n")
+        except OSError:
+            pass
+        self.closed = True
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not self.closed:
+            self.abort(f"{exc_type.__name__}: {exc}")
+

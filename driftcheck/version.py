@@ -1,0 +1,2 @@
+"""driftcheck's version (recorded in every manifest)."""
+__version__ = "0.1.0"

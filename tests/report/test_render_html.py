@@ -1,0 +1,217 @@
+"""The HTML report: self-contained, escaped, complete; the entry table's JSON matches the report."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from html.parser import HTMLParser
+
+import pytest
+
+from conftest_report import DIVERGING, HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report
+from driftcheck.report.common import execution_order
+from driftcheck.report.html import MAX_CHART_POINTS, render_html
+from driftcheck.report import Report
+
+
+class Page(HTMLParser):
+    """Collects tags, attributes, ids, text and the script blocks of a rendered page."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+        self.scripts: list[tuple[dict[str, str | None], str]] = []
+        self._script: dict[str, str | None] | None = None
+        self._svg_depth = 0
+        self.svg_text: list[str] = []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+        if tag == "script":
+            self._script = dict(attrs)
+        if tag == "svg":
+            self._svg_depth += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self._svg_depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self._script is not None:
+            self.scripts.append((self._script, data))
+            self._script = None
+            return
+        self.text.append(data)
+        if self._svg_depth:
+            self.svg_text.append(data)
+
+    @property
+    def all_text(self) -> str:
+        return "".join(self.text)
+
+    def table_data(self) -> dict:
+        (block,) = [body for attrs, body in self.scripts if attrs.get("type") == "application/json"]
+        return json.loads(block)
+
+
+@pytest.fixture(scope="module")
+def fail_html() -> str:
+    return render_html(failing_report())
+
+
+@pytest.fixture(scope="module")
+def fail_page(fail_html: str) -> Page:
+    return Page(fail_html)
+
+
+def test_self_contained(fail_html: str, fail_page: Page) -> None:
+    for tag, attrs in fail_page.tags:
+        assert tag not in ("link", "img", "iframe", "object", "embed", "audio", "video", "source"), tag
+        assert "src" not in attrs, (tag, attrs)
+        if "href" in attrs or "xlink:href" in attrs:
+            assert (attrs.get("href") or attrs.get("xlink:href") or "").startswith("#"), attrs
+    # The only absolute URLs allowed are XML namespace names, which are never fetched.
+    for match in re.finditer(r"(?:https?:)?//[\w.-]+", fail_html):
+        before = fail_html[max(0, match.start() - 20):match.start()]
+        assert re.search(r'xmlns(:\w+)?="$', before), fail_html[match.start() - 40:match.end() + 20]
+    assert "@import" not in fail_html and "url(http" not in fail_html
+    assert "Content-Security-Policy" in fail_html and "default-src 'none'" in fail_html
+
+
+def test_banner_rule_and_counts(fail_page: Page) -> None:
+    text = fail_page.all_text
+    banner = [a for t, a in fail_page.tags if t == "header" and "banner" in (a.get("class") or "")]
+    assert banner and "fail" in banner[0]["class"]
+    assert "FAIL" in text and f"first divergence at {DIVERGING} (forward, step 0)" in text
+    assert "35 drift" in text and "2 nonfinite" in text and "1 misaligned" in text
+    assert "6 findings (5 fail the gate)" in text
+    passed = Page(render_html(passing_report()))
+    assert "PASS" in passed.all_text and "None: no entry exceeds its limit." in passed.all_text
+    assert any(t == "header" and "pass" in (a.get("class") or "") for t, a in passed.tags)
+
+
+def test_runs_side_by_side_with_differences(fail_html: str) -> None:
+    rows = re.findall(r'<tr class="([^"]*)">\s*<th>([^<]*)</th>\s*<td>([^<]*)</td><td>([^<]*)</td>', fail_html)
+    by_key = {key: (cls.split(), ref, tgt) for cls, key, ref, tgt in rows}
+    assert by_key["precision.matmul"] == (["differs", "precision"], "highest", "medium")
+    assert by_key["device"] == (["differs"], "cpu", "tpu")
+    assert by_key["model"] == ([], "tiny_gpt_bn", "tiny_gpt_bn")
+    assert by_key["versions.torch_tpu"][1:] == ("—", "0.2.0")
+
+
+def test_first_divergence_and_chart(fail_page: Page) -> None:
+    svgs = [a for t, a in fail_page.tags if t == "svg"]
+    assert svgs[0]["class"] == "chart" and "viewbox" in svgs[0]
+    svg_text = " ".join(fail_page.svg_text)
+    assert f"first divergence: {DIVERGING} (forward, step 0)" in svg_text
+    for label in ("limit", "forward", "backward", "optimizer", "NaN/Inf", "step 0", "step 1"):
+        assert label in svg_text, label
+    assert "mathdefault" not in svg_text  # tick labels are plain text, math parsing is off
+
+
+def test_findings_cards(fail_page: Page) -> None:
+    cards = [a["class"] for t, a in fail_page.tags if t == "article"]
+    assert sorted(cards).count("card state-fails-gate") == 5 and cards.count("card state-warning") == 1
+    text = fail_page.all_text
+    for title in ("BatchNorm running statistics", "View semantics", "In-place semantics", "NaN / Inf",
+                  "Precision settings", "Alignment"):
+        assert title in text, title
+    assert text.count("What to do.") == 6
+
+
+def test_table_json_has_every_entry_in_execution_order() -> None:
+    report = failing_report()
+    data = Page(render_html(report)).table_data()
+    cols = data["columns"]
+    rows = [dict(zip(cols, r)) for r in data["rows"]]
+    assert len(rows) == len(report.entries)
+    ordered = execution_order(report.entries)
+    assert [(r["module"], r["phase"], r["step"], r["slot"]) for r in rows] == \
+           [(e.module, e.phase, e.step, e.slot) for e in ordered]
+    nonfinite = [r for r in rows if r["status"] == "nonfinite"]
+    assert nonfinite and all(r["ratio"] == "inf" and r["max_abs"] == "inf" for r in nonfinite)
+    first = next(r for r in rows if r["module"] == DIVERGING and r["phase"] == "forward" and r["slot"] == "output"
+                 and r["step"] == 0)
+    assert first["local"] == 71.0 and data["rules"][first["rule"]] == "default limit 4"
+
+
+def test_limits_follow_policy_overrides() -> None:
+    report = failing_report()
+    report.policy = {"source": "driftcheck.toml", "limit": 4.0,
+                     "overrides": [{"glob": "lm_head*", "limit": 8.0, "phase": "forward"}]}
+    data = Page(render_html(report)).table_data()
+    rows = [dict(zip(data["columns"], r)) for r in data["rows"]]
+    lm = [r for r in rows if r["module"] == "lm_head" and r["phase"] == "forward"]
+    assert lm and all(r["limit"] == 8.0 for r in lm)
+    assert data["rules"][lm[0]["rule"]] == "override 'lm_head*' [forward] limit 8 (driftcheck.toml)"
+    assert all(r["limit"] == 4.0 for r in rows if r["module"] == "lm_head" and r["phase"] == "backward")
+
+
+def test_command_line_limit_replaces_policy_limits() -> None:
+    report = failing_report()
+    report.policy = {"limit": 4.0, "overrides": [{"glob": "lm_head*", "limit": 8.0}], "limit_override": 50.0}
+    report.entries[10].rule = "--limit 50"
+    data = Page(render_html(report)).table_data()
+    assert {r[data["columns"].index("limit")] for r in data["rows"]} == {50.0}
+
+
+def test_details_for_worst_entries(fail_page: Page) -> None:
+    details = [a for t, a in fail_page.tags if t == "details" and a.get("class") == "detail"]
+    assert 2 <= len(details) <= 7 and details[0]["id"] == "detail-0"
+    charts = [a for t, a in fail_page.tags if t == "svg" and a.get("class") == "chart"]
+    assert len(charts) == 1 + len(details)  # the drift chart and one histogram per detail
+    ids = [a["id"] for _, a in fail_page.tags if "id" in a]
+    assert len(ids) == len(set(ids)), "element ids must be unique across the inline SVGs"
+    assert "328 elements match exactly" in fail_page.all_text or "elements match exactly" in fail_page.all_text
+
+
+def test_hostile_names_stay_text() -> None:
+    html = render_html(hostile_report())
+    page = Page(html)
+    scripts = [attrs for t, attrs in page.tags if t == "script"]
+    assert scripts == [{"type": "application/json", "id": "entries-data"}, {}]
+    assert not [t for t, _ in page.tags if t == "img"]
+    assert "view.<b>bold</b>" in page.all_text  # a finding kind with markup
+    assert not [(t, k) for t, a in page.tags for k in a if k.startswith("on")]
+    for name in HOSTILE_NAMES[:3]:
+        assert name in page.all_text, name  # shown as text
+    assert HOSTILE_NAMES[0] in " ".join(page.svg_text)  # the chart annotation, escaped inside the SVG
+    (body,) = [b for a, b in page.scripts if a.get("type") == "application/json"]
+    assert "</" not in body and "<" not in body
+    modules = {r[3] for r in page.table_data()["rows"]}
+    assert set(HOSTILE_NAMES) <= modules  # the JSON round-trips the names exactly
+
+
+def test_tex_in_module_names_is_not_interpreted() -> None:
+    report = hostile_report()
+    entry = next(e for e in report.entries if e.module == HOSTILE_NAMES[3] and e.phase == "forward")
+    report.first_divergence = {"key": entry.key, "module": entry.module, "phase": "forward", "step": 0}
+    page = Page(render_html(report))
+    assert f"first divergence: {HOSTILE_NAMES[3]} (forward, step 0)" in " ".join(page.svg_text)
+
+
+def test_round_trip_through_json_and_empty_report() -> None:
+    report = failing_report()
+    again = Report.from_dict(json.loads(json.dumps(report.to_dict())))
+    page = Page(render_html(again))
+    assert len(page.table_data()["rows"]) == len(report.entries)
+    empty = Report(verdict="pass", reference={}, target={}, first_divergence=None, entries=[], findings=[], limit=4.0)
+    text = Page(render_html(empty)).all_text
+    assert "No judged entries to plot." in text and "No findings." in text
+
+
+def test_thousands_of_entries_stay_small_and_fast() -> None:
+    report = big_report(n_modules=1500, steps=3)  # ~50k entries
+    start = time.perf_counter()
+    html = render_html(report)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 20, elapsed
+    assert len(html) / len(report.entries) < 200, len(html) / len(report.entries)
+    chart = html[html.index("<svg"):html.index("</svg>")]
+    assert chart.count("<use ") <= MAX_CHART_POINTS + 10  # decimated: worst of each bin
+    worst = max(report.entries, key=lambda e: e.ratio)
+    assert len(Page(html).table_data()["rows"]) == len(report.entries)
+    assert worst.ratio > 4

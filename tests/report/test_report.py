@@ -1,0 +1,55 @@
+"""The Report value objects and their one JSON form (driftcheck/report/__init__.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+from driftcheck.report import DRIFT, OK, Entry, Finding, Report, as_float, worst
+
+
+def _entry(key: str, ratio, status: str = OK) -> Entry:
+    return Entry(key=key, module="m", phase="forward", step=0, call=0, slot="output",
+                 order=0, metrics={"rms": 1.0}, floor=1.0, ratio=ratio, status=status)
+
+
+def _report(entries: list[Entry], verdict: str = "pass") -> Report:
+    return Report(verdict=verdict, reference={"device": "cpu"}, target={"device": "cpu"},
+                  first_divergence=None, entries=entries,
+                  findings=[Finding("view.alias_lost", "m", 0, "lost", details={"x": math.inf})],
+                  limit=3.5)
+
+
+def test_truth_value_is_the_verdict():
+    assert bool(_report([], "pass")) and not bool(_report([], "fail"))
+
+
+def test_json_round_trip_keeps_inf_and_nan():
+    rep = _report([_entry("a", math.inf, DRIFT), _entry("b", math.nan, DRIFT), _entry("c", 1.5)])
+    text = json.dumps(rep.to_dict(), allow_nan=False)  # strict JSON: inf/nan spelled as strings
+    back = Report.from_dict(json.loads(text))
+    ratios = [e.ratio for e in back.entries]
+    assert ratios[0] == math.inf and math.isnan(ratios[1]) and ratios[2] == 1.5
+    assert back.findings[0].details["x"] == math.inf
+    assert back.to_dict() == json.loads(text)
+
+
+def test_from_dict_refuses_other_documents():
+    for doc in ({}, {"schema": "other/1"}, {"schema": "driftcheck.report/99"}, []):
+        try:
+            Report.from_dict(doc)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {doc!r}")
+
+
+def test_worst_puts_nan_first_and_skips_unjudged():
+    es = [_entry("a", 2.0), _entry("b", None), _entry("c", math.nan), _entry("d", 9.0),
+          _entry("e", "inf")]
+    assert [e.key for e in worst(es, 10)] == ["c", "e", "d", "a"]
+    assert [e.key for e in _report(es).worst(2)] == ["c", "e"]
+
+
+def test_as_float_reads_json_spellings():
+    assert as_float("inf") == math.inf and as_float("-inf") == -math.inf
+    assert math.isnan(as_float("nan")) and as_float(None) is None and as_float(True) is None
+    assert as_float(3) == 3.0 and as_float("x") is None
