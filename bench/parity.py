@@ -5,6 +5,7 @@
     python bench/parity.py --recompare /tmp/before --out /tmp/again   # new code, old traces
     python bench/parity.py --diff /tmp/before /tmp/after --what traces   # tensors and manifests
     python bench/parity.py --diff /tmp/before /tmp/again                 # reports, byte for byte
+    python bench/parity.py --diff /tmp/before /tmp/again --new-fields limit,gate   # but new fields
 
 The matrix: every built-in and hf: scenario, an fp32 reference against a bf16 replay, full mode
 with and without local replay, stats mode; plus the audits (resnet with the simulated torch_tpu
@@ -113,15 +114,28 @@ def _bitwise(a, b) -> bool:
     return torch.equal(flat(a), flat(b))
 
 
-def diff(a: Path, b: Path, what: str) -> int:
-    """what: "reports" (byte for byte) or "traces" (tensors and non-volatile manifest fields)."""
+def _without(text: bytes, fields: list[str]) -> bytes:
+    """A JSON report without the entry/finding fields a change added (``--new-fields``)."""
+    doc = json.loads(text)
+    for item in doc.get("entries", []) + doc.get("findings", []):
+        for f in fields:
+            item.pop(f, None)
+    return json.dumps(doc, indent=1).encode()
+
+
+def diff(a: Path, b: Path, what: str, new_fields: list[str] | None = None) -> int:
+    """what: "reports" (byte for byte; JSON reports without ``new_fields`` of B when given) or
+    "traces" (tensors bit for bit and non-volatile manifest fields)."""
     bad = n = 0
     for fa in sorted(a.rglob("*")):
         rel, fb = fa.relative_to(a), b / fa.relative_to(a)
         in_trace = (fa.parent / "manifest.json").is_file()
         if what == "reports" and fa.is_file() and not in_trace and fa.suffix in {".json", ".md", ".xml", ".rc", ".html"}:
             n += 1
-            if not fb.is_file() or fa.read_bytes() != fb.read_bytes():
+            ta, tb = fa.read_bytes(), fb.read_bytes() if fb.is_file() else None
+            if new_fields and tb is not None and fa.suffix == ".json":
+                ta, tb = _without(ta, []), _without(tb, new_fields)
+            if ta != tb:
                 print(f"report differs: {rel}")
                 bad += 1
         elif what == "traces" and fa.is_dir() and (fa / "manifest.json").is_file():
@@ -143,11 +157,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--diff", nargs=2, type=Path)
     ap.add_argument("--what", choices=["reports", "traces"], default="reports", help="what --diff compares")
+    ap.add_argument("--new-fields", default=None,
+                    help="comma list of entry/finding fields the new code adds to JSON reports")
     ap.add_argument("--recompare", type=Path, help="compare this --out folder's traces again into --out")
     ap.add_argument("--models", default=None, help="comma list (default: built-ins and hf:*)")
     args = ap.parse_args()
     if args.diff:
-        return diff(*args.diff, args.what)
+        return diff(*args.diff, args.what, args.new_fields.split(",") if args.new_fields else None)
     if args.recompare:
         recompare(args.recompare, args.out)
         return 0

@@ -28,11 +28,13 @@ import fnmatch
 import math
 import os
 import tomllib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.report import Finding
-from driftcheck.store.format import PHASES
+from driftcheck.store.format import PHASES, kind_matches
+
+if TYPE_CHECKING:  # report imports the policy (for reports saved without limits)
+    from driftcheck.report import Finding
 
 # Measured (docs/noise-floor.md, docs/diagnosis.md): clean fp32-vs-bf16/fp16/fp8 runs and the
 # no-fault controls stay below 2.3; faults of 4x the floor reach >= 4.0. 3.5 keeps both margins.
@@ -226,13 +228,6 @@ class Policy:
 
     def _file(self) -> str:
         return os.path.basename(self.source) if self.source else "built-in"
-
-
-def kind_matches(kind: str, pattern: str) -> bool:
-    """``pattern`` is a dotted prefix (``view`` matches ``view.aliasing``) or an fnmatch glob."""
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(kind, pattern)
-    return kind == pattern or kind.startswith(pattern + ".")
 
 
 def _read_toml(path: str) -> dict[str, Any]:

@@ -73,6 +73,17 @@ def test_no_import_cycle():
     assert cycles == []
 
 
+def test_renderers_import_no_policy():
+    """compare applies the policy once and writes each entry's limit and each finding's gate
+    state into the report: the renderers only render."""
+    modules = _modules()
+    renderers = [m for m in modules if m.startswith("driftcheck.report.")]
+    assert len(renderers) >= 5
+    judged = {m: sorted(i for i in _imports(modules[m], modules) if i == "driftcheck.policy")
+              for m in renderers}
+    assert {m: v for m, v in judged.items() if v} == {}
+
+
 def test_numerics_load_no_cli_or_rendering_library():
     code = ("import sys\n"
             "import driftcheck.dtypes, driftcheck.floor, driftcheck.metrics, driftcheck.kernels\n"

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.policy import DEFAULT_LIMIT, Policy, kind_matches
+from driftcheck.policy import DEFAULT_LIMIT, Policy
+from driftcheck.store.format import kind_matches
 from driftcheck.report import Finding
 
 POLICY = """

@@ -28,7 +28,7 @@ class Judging:
         if self.limit_override is not None:
             limit, rule = self.limit_override, f"--limit {self.limit_override:g}"
         base = dict(key=r.key, module=r.module, phase=r.phase, step=r.step,
-                    call=r.call, slot=r.slot, order=r.order)
+                    call=r.call, slot=r.slot, order=r.order, limit=limit)
         if list(r.shape) != list(t.shape):
             self.findings.append(Finding(
                 "alignment.shape_mismatch", r.module, r.step,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from driftcheck.report import DRIFT, MISALIGNED, NONFINITE, OK, Entry, Report
+from driftcheck.report import DRIFT, MISALIGNED, NONFINITE, OK, Entry, Report, gate_state
 
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
 
@@ -22,9 +22,10 @@ class Verdict:
         gate_findings = []
         for f in self.findings:
             reason = self.policy.ignore_reason(f.module, f.phase, f.step, f.kind)
+            f.gate = gate_state(f, self.policy)
             if reason:
                 f.details = dict(f.details or {}, ignored=reason)
-            elif self.policy.fails_gate(f):
+            elif f.gate == "fails gate":
                 gate_findings.append(f)
         limit = self.limit_override if self.limit_override is not None else self.policy.limit
         if failing or gate_findings:

@@ -30,10 +30,14 @@ class Finding:
     phase: str | None = None
     key: str | None = None
     severity: str = "error"  # "error" fails the gate by default, "warning" does not
+    gate: str | None = None  # how the policy treats it: "fails gate", "ignored" or "warning"
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _clean(dataclasses.asdict(self))
+        d = _clean(dataclasses.asdict(self))
+        if d["gate"] is None:  # not judged yet (a trace's own findings, in its manifest)
+            del d["gate"]
+        return d
 
 
 @dataclasses.dataclass
@@ -54,6 +58,7 @@ class Entry:
     decided_by: str | None = None  # "analytic" | "truth" | "exact" | None
     local_ratio: float | None = None  # from local replay, when recorded
     rule: str | None = None  # the policy rule that judged this entry
+    limit: float | None = None  # the limit its ratio was judged against
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +84,10 @@ class Report:
     warnings: list[str] = dataclasses.field(default_factory=list)
     policy: dict[str, Any] = dataclasses.field(default_factory=dict)
     schema: str = SCHEMA
+
+    def __post_init__(self) -> None:
+        if any(e.limit is None for e in self.entries) or any(f.gate is None for f in self.findings):
+            _apply_policy(self)
 
     def __bool__(self) -> bool:
         return self.verdict == "pass"
@@ -141,6 +150,35 @@ def worst(entries: list[Entry], n: int = 10) -> list[Entry]:
         return math.inf if ratio is not None and math.isnan(ratio) else (ratio or 0.0)
 
     return sorted((e for e in entries if e.ratio is not None), key=key, reverse=True)[:n]
+
+
+def _apply_policy(report: Report) -> None:
+    """Each entry's limit and each finding's gate state, from the policy embedded in the report,
+    where they are missing: compare writes them (the policy is applied once, there); a report
+    saved before they existed, or made by hand, gets them here, so renderers never judge."""
+    from driftcheck.policy import Policy
+
+    policy = Policy.from_dict(report.policy)
+    override = as_float((report.policy or {}).get("limit_override"))
+    if override is not None:
+        policy.limit, policy.overrides = override, []
+    for e in report.entries:
+        if e.limit is None:
+            e.limit, rule = policy.limit_for(e.module, e.phase)
+            e.rule = e.rule or rule
+    for f in report.findings:
+        if f.gate is None:
+            f.gate = gate_state(f, policy)
+            reason = policy.ignore_reason(f.module, f.phase, f.step, f.kind)
+            if reason:
+                f.details = dict(f.details or {}, ignored=reason)
+
+
+def gate_state(finding: Finding, policy: Any) -> str:
+    """"fails gate", "ignored" or "warning": how ``policy`` treats ``finding``."""
+    if policy.ignore_reason(finding.module, finding.phase, finding.step, finding.kind) is not None:
+        return "ignored"
+    return "fails gate" if policy.fails_gate(finding) else "warning"
 
 
 def _only(cls: type, d: dict[str, Any]) -> dict[str, Any]:

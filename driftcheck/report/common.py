@@ -1,7 +1,7 @@
 """What the renderers share (terminal.py, html.py, junit.py, markdown.py: a Report in, text out).
 
 Renderers only render: no trace I/O, no judging. What they share lives here: the phase order,
-number formatting, the per-entry limit (from the policy embedded in the report) and what each
+number formatting, the per-entry limit and gate state (written by compare) and what each
 finding kind means and what to do about it.
 """
 from __future__ import annotations
@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck.policy import Policy, kind_matches
-from driftcheck.report import Entry, Finding, Report, as_float, worst
-from driftcheck.store.format import PHASES
+from driftcheck.report import Entry, Finding, as_float, worst
+from driftcheck.store.format import PHASES, kind_matches
 
 __all__ = ["KIND_HELP", "explain_kind", "fmt", "as_float", "execution_order", "worst",
-           "report_policy", "entry_limit", "finding_state", "FAILING"]
+           "entry_limit", "finding_state", "FAILING"]
 
 # Entry statuses that fail the gate.
 FAILING = ("drift", "nonfinite", "misaligned")
@@ -100,28 +99,11 @@ def execution_order(entries: list[Entry]) -> list[Entry]:
     return sorted(entries, key=lambda e: (e.step, rank.get(e.phase, len(PHASES)), e.order, e.call, e.slot))
 
 
-def report_policy(report: Report) -> Policy:
-    """The policy the report was judged with (embedded by compare); the default when absent.
-
-    ``compare --limit X`` replaces every limit: the embedded dict then carries ``limit_override``.
-    """
-    policy = Policy.from_dict(report.policy)
-    override = as_float((report.policy or {}).get("limit_override"))
-    if override is not None:
-        policy.limit, policy.overrides = override, []
-    return policy
+def entry_limit(entry: Entry) -> tuple[float, str]:
+    """The limit the entry was judged against and the rule that set it (written by compare)."""
+    return entry.limit if entry.limit is not None else math.nan, entry.rule or ""
 
 
-def entry_limit(entry: Entry, policy: Policy) -> tuple[float, str]:
-    """The entry's limit and the rule that judged it (the entry's own ``rule`` when compare set one)."""
-    limit, rule = policy.limit_for(entry.module, entry.phase)
-    if entry.rule and entry.rule.startswith("--limit "):  # compare's words for a command-line limit
-        limit = as_float(entry.rule.split()[1]) or limit
-    return limit, entry.rule or rule
-
-
-def finding_state(finding: Finding, policy: Policy) -> str:
-    """"fails gate", "ignored" or "warning": how the policy treats this finding."""
-    if policy.ignore_reason(finding.module, finding.phase, finding.step, finding.kind) is not None:
-        return "ignored"
-    return "fails gate" if policy.fails_gate(finding) else "warning"
+def finding_state(finding: Finding) -> str:
+    """"fails gate", "ignored" or "warning": what compare's policy made of the finding."""
+    return finding.gate or "warning"

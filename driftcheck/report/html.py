@@ -24,7 +24,6 @@ from driftcheck.report.common import (
     explain_kind,
     finding_state,
     fmt,
-    report_policy,
     worst,
 )
 from driftcheck.store.format import PHASES
@@ -53,9 +52,8 @@ def render_html(report: Report) -> str:
     Example:
         >>> pathlib.Path("report.html").write_text(render_html(report))
     """
-    policy = report_policy(report)
     ordered = execution_order(report.entries)
-    limits = [entry_limit(e, policy) for e in ordered]
+    limits = [entry_limit(e) for e in ordered]
     by_key = {e.key: e for e in ordered}
     first = report.first_divergence or None
     first_entry = by_key.get(first.get("key")) if first else None
@@ -65,7 +63,7 @@ def render_html(report: Report) -> str:
         "passed": bool(report),
         "model": report.target.get("model") or report.reference.get("model"),
         "counts": _status_counts(report.entries),
-        "findings": _findings(report, policy),
+        "findings": _findings(report),
         "meta_rows": _meta_rows(report),
         "meta_always": META_ALWAYS,
         "first": first,
@@ -78,8 +76,8 @@ def render_html(report: Report) -> str:
         "columns": TABLE_COLUMNS,
         "statuses": sorted({e.status for e in report.entries}),
         "phases": [p for p in PHASES if any(e.phase == p for e in ordered)],
-        "details": _details(report, first_entry, policy),
-        "policy": policy,
+        "details": _details(report, first_entry),
+        "policy_source": (report.policy or {}).get("source"),
         "css": _resource("report.css"),
         "js": _resource("report.js"),
     }
@@ -138,11 +136,11 @@ def _status_counts(entries: list[Entry]) -> list[tuple[str, int]]:
     return [(s, counts[s]) for s in sorted(counts, key=lambda s: order.index(s) if s in order else len(order))]
 
 
-def _findings(report: Report, policy: Any) -> list[dict[str, Any]]:
+def _findings(report: Report) -> list[dict[str, Any]]:
     out = []
     for f in report.findings:
         title, meaning, todo = explain_kind(f.kind)
-        out.append({"f": f, "title": title, "meaning": meaning, "todo": todo, "state": finding_state(f, policy),
+        out.append({"f": f, "title": title, "meaning": meaning, "todo": todo, "state": finding_state(f),
                     "details": _flatten(f.details)})
     rank = {"fails gate": 0, "warning": 1, "ignored": 2}
     return sorted(out, key=lambda d: rank[d["state"]])
@@ -184,13 +182,13 @@ def _meta_rows(report: Report) -> list[dict[str, Any]]:
     return rows
 
 
-def _details(report: Report, first_entry: Entry | None, policy: Any) -> list[dict[str, Any]]:
+def _details(report: Report, first_entry: Entry | None) -> list[dict[str, Any]]:
     chosen = [first_entry] if first_entry is not None else []
     chosen += [e for e in worst(report.entries, DETAIL_COUNT + 1) if e is not first_entry][:DETAIL_COUNT]
     out = []
     for e in chosen:
         ref, tgt = e.details.get("ref_stats") or {}, e.details.get("tgt_stats") or {}
-        limit, rule = entry_limit(e, policy)
+        limit, rule = entry_limit(e)
         hist = e.details.get("histogram")
         out.append({
             "e": e, "anchor": f"detail-{len(out)}", "limit": limit, "rule": rule,

@@ -10,9 +10,8 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
-from driftcheck.policy import Policy
 from driftcheck.report import Entry, Report
-from driftcheck.report.common import FAILING, as_float, entry_limit, execution_order, finding_state, fmt, report_policy
+from driftcheck.report.common import FAILING, as_float, entry_limit, execution_order, finding_state, fmt
 
 MAX_LINES = 50  # failing entries listed per module testcase; the HTML report has them all
 # XML 1.0 forbids most control characters even when escaped.
@@ -25,7 +24,6 @@ def render_junit(report: Report) -> str:
     Example:
         >>> pathlib.Path("driftcheck.xml").write_text(render_junit(report))
     """
-    policy = report_policy(report)
     suite = ET.Element("testsuite", name="driftcheck")
     props = ET.SubElement(suite, "properties")
     for name, value in _properties(report).items():
@@ -35,16 +33,16 @@ def render_junit(report: Report) -> str:
     for e in execution_order(report.entries):
         modules.setdefault(e.module, []).append(e)
     for module, entries in modules.items():
-        _module_case(suite, module, entries, policy)
+        _module_case(suite, module, entries)
     for f in report.findings:
         case = _case(suite, "driftcheck.finding", f"{f.kind} @ {f.module or '(model)'}"
                      + (f" step {f.step}" if f.step is not None else ""))
-        state = finding_state(f, policy)
+        state = finding_state(f)
         text = "\n".join([f.message] + [f"{k}: {v}" for k, v in f.details.items()])
         if state == "fails gate":
             ET.SubElement(case, "failure", message=_x(f.message), type=_x(f.kind)).text = _x(text)
         elif state == "ignored":
-            reason = policy.ignore_reason(f.module, f.phase, f.step, f.kind)
+            reason = (f.details or {}).get("ignored")
             ET.SubElement(case, "skipped", message=_x(f"ignored: {reason}"))
         else:
             ET.SubElement(case, "system-out").text = _x(f"warning: {text}")
@@ -64,15 +62,15 @@ def render_junit(report: Report) -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def _module_case(suite: ET.Element, module: str, entries: list[Entry], policy: Policy) -> None:
+def _module_case(suite: ET.Element, module: str, entries: list[Entry]) -> None:
     case = _case(suite, "driftcheck.module", module or "(model)")
     failing = [e for e in entries if e.status in FAILING]
     if failing:
         worst = max(failing, key=_severity)
-        limit, rule = entry_limit(worst, policy)
+        limit, rule = entry_limit(worst)
         message = (f"{len(failing)} of {len(entries)} entries fail; worst {worst.phase} step {worst.step} "
                    f"{worst.slot}: {_why(worst, limit)} ({rule}); {_metrics(worst)}")
-        lines = [_line(e, policy) for e in failing[:MAX_LINES]]
+        lines = [_line(e) for e in failing[:MAX_LINES]]
         if len(failing) > MAX_LINES:
             lines.append(f"... and {len(failing) - MAX_LINES} more (see the HTML report)")
         ET.SubElement(case, "failure", message=_x(message), type=worst.status).text = _x("\n".join(lines))
@@ -85,7 +83,7 @@ def _module_case(suite: ET.Element, module: str, entries: list[Entry], policy: P
             worst = max(judged, key=_severity)
             ET.SubElement(case, "system-out").text = _x(
                 f"{len(entries)} entries within limits; worst {worst.phase} step {worst.step} {worst.slot} "
-                f"ratio {fmt(worst.ratio)} / limit {fmt(entry_limit(worst, policy)[0])}")
+                f"ratio {fmt(worst.ratio)} / limit {fmt(entry_limit(worst)[0])}")
 
 
 def _severity(e: Entry) -> tuple[int, float]:
@@ -108,8 +106,8 @@ def _metrics(e: Entry) -> str:
     return ", ".join(f"{k} {fmt(e.metrics[k])}" for k in keys if k in e.metrics)
 
 
-def _line(e: Entry, policy: Policy) -> str:
-    limit, rule = entry_limit(e, policy)
+def _line(e: Entry) -> str:
+    limit, rule = entry_limit(e)
     local = f", local ratio {fmt(e.local_ratio)}" if e.local_ratio is not None else ""
     return f"{e.phase} step {e.step} call {e.call} {e.slot}: {_why(e, limit)}{local} ({rule}); {_metrics(e)}"
 

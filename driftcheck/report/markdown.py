@@ -9,7 +9,7 @@ import html
 import re
 
 from driftcheck.report import Report
-from driftcheck.report.common import entry_limit, explain_kind, finding_state, fmt, report_policy, worst
+from driftcheck.report.common import entry_limit, explain_kind, finding_state, fmt, worst
 
 WORST = 10
 # Values only ever appear mid-line, so line-start syntax (#, -, 1.) cannot trigger; these can.
@@ -23,7 +23,6 @@ def render_markdown(report: Report) -> str:
     Example:
         >>> open(os.environ["GITHUB_STEP_SUMMARY"], "a").write(render_markdown(report))
     """
-    policy = report_policy(report)
     ref, tgt = report.reference, report.target
     model = tgt.get("model") or ref.get("model")
     title = "✅ PASS" if report else "❌ FAIL"
@@ -52,12 +51,12 @@ def render_markdown(report: Report) -> str:
                   "| module | phase | step | slot | status | ratio | limit | max abs | rel L2 | rule |",
                   "|---|---|---:|---|---|---:|---:|---:|---:|---|"]
         for e in top:
-            limit, rule = entry_limit(e, policy)
+            limit, rule = entry_limit(e)
             cells = [e.module or "(model)", e.phase, e.step, e.slot, e.status, fmt(e.ratio), fmt(limit),
                      fmt(e.metrics.get("max_abs")), fmt(e.metrics.get("rel_l2")), rule]
             lines.append("| " + " | ".join(md(c) for c in cells) + " |")
     if report.findings:
-        states = [(f, finding_state(f, policy)) for f in report.findings]
+        states = [(f, finding_state(f)) for f in report.findings]
         failing = sum(1 for _, s in states if s == "fails gate")
         lines += ["", f"### Findings ({len(states)}, {failing} fail the gate)", ""]
         for f, state in sorted(states, key=lambda fs: list(_ICON).index(fs[1])):

@@ -11,6 +11,7 @@ validate a manifest dict before touching any shard.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from collections.abc import Callable
@@ -45,6 +46,14 @@ def is_local_slot(slot: str) -> bool:
 def base_slot(slot: str) -> str:
     """``local.output.0`` -> ``output.0``: the propagated entry a local capture stands beside."""
     return slot[len(LOCAL_PREFIX):] if is_local_slot(slot) else slot
+
+
+def kind_matches(kind: str, pattern: str) -> bool:
+    """Finding kinds are dotted (``batchnorm.running_stats_not_updated``): ``pattern`` is a dotted
+    prefix (``view`` matches ``view.alias_lost``) or an fnmatch glob."""
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(kind, pattern)
+    return kind == pattern or kind.startswith(pattern + ".")
 
 
 def key_string(step: int, phase: str, module: str, call: int, slot: str) -> str:

@@ -199,3 +199,16 @@ def big_report(n_modules: int = 400, steps: int = 2) -> Report:
         e.details = {}  # a real report keeps details only for some entries
     return Report(verdict="fail", reference=REF_META, target=TGT_META, first_divergence=None, entries=entries,
                   findings=[], limit=4.0, decided_by="many entries drift beyond default limit 4")
+
+
+def rejudged(report: Report) -> Report:
+    """``report`` judged again by its (edited) embedded policy, as compare would have judged it:
+    each entry's limit and each finding's gate state are written into the report, renderers
+    only read them."""
+    for e in report.entries:
+        e.limit = None
+        if e.rule and not e.rule.startswith("--limit") and e.status != IGNORED:
+            e.rule = None
+    for f in report.findings:
+        f.gate = None
+    return Report(**{k: getattr(report, k) for k in report.__dataclass_fields__})

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from conftest_report import DIVERGING, HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report
+from conftest_report import DIVERGING, HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report, rejudged
 from driftcheck.report.common import execution_order
 from driftcheck.report.html import MAX_CHART_POINTS, render_html
 from driftcheck.report import Report
@@ -142,7 +142,7 @@ def test_limits_follow_policy_overrides() -> None:
     report = failing_report()
     report.policy = {"source": "driftcheck.toml", "limit": 4.0,
                      "overrides": [{"glob": "lm_head*", "limit": 8.0, "phase": "forward"}]}
-    data = Page(render_html(report)).table_data()
+    data = Page(render_html(rejudged(report))).table_data()
     rows = [dict(zip(data["columns"], r)) for r in data["rows"]]
     lm = [r for r in rows if r["module"] == "lm_head" and r["phase"] == "forward"]
     assert lm and all(r["limit"] == 8.0 for r in lm)
@@ -154,7 +154,7 @@ def test_command_line_limit_replaces_policy_limits() -> None:
     report = failing_report()
     report.policy = {"limit": 4.0, "overrides": [{"glob": "lm_head*", "limit": 8.0}], "limit_override": 50.0}
     report.entries[10].rule = "--limit 50"
-    data = Page(render_html(report)).table_data()
+    data = Page(render_html(rejudged(report))).table_data()
     assert {r[data["columns"].index("limit")] for r in data["rows"]} == {50.0}
 
 

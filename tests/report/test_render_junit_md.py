@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from conftest_report import DIVERGING, HOSTILE_NAMES, MODULES, failing_report, hostile_report, passing_report
+from conftest_report import DIVERGING, HOSTILE_NAMES, MODULES, failing_report, hostile_report, passing_report, rejudged
 from driftcheck.report.junit import MAX_LINES, render_junit
 from driftcheck.report.markdown import md, render_markdown
 from driftcheck.report import DRIFT
@@ -65,7 +65,7 @@ def test_ignored_entries_and_findings_are_skipped() -> None:
         if e.module == "embed":
             e.status, e.rule = "ignored", "embedding differs by design"
     report.policy["ignore"].append({"glob": "norm.bn", "kind": "batchnorm", "reason": "known torch_tpu bug #7"})
-    got = cases(render_junit(report))
+    got = cases(render_junit(rejudged(report)))
     skipped = got[("driftcheck.module", "embed")].find("skipped")
     assert skipped is not None and skipped.get("message") == "ignored: embedding differs by design"
     bn = got[("driftcheck.finding", "batchnorm.running_stats_not_updated @ norm.bn step 0")]

@@ -53,3 +53,38 @@ def test_as_float_reads_json_spellings():
     assert as_float("inf") == math.inf and as_float("-inf") == -math.inf
     assert math.isnan(as_float("nan")) and as_float(None) is None and as_float(True) is None
     assert as_float(3) == 3.0 and as_float("x") is None
+
+
+def test_compare_writes_each_limit_and_gate_and_renderers_only_read_them(traces):
+    """The policy is applied once, in compare: a renderer shows the limit compare judged with,
+    even when the embedded policy is changed afterwards."""
+    from driftcheck.compare import compare
+    from driftcheck.report.junit import render_junit
+    from driftcheck.report.markdown import render_markdown
+
+    rep = compare(traces["mlp"]["fp32"], traces["mlp"]["bf16"], limit=5.0)
+    assert rep.entries and {e.limit for e in rep.entries} == {5.0}
+    assert {e.rule for e in rep.entries if e.decided_by != "exact"} == {"--limit 5"}
+    kinds = {f.kind: f.gate for f in rep.findings}
+    assert kinds.get("precision.settings_differ") == "warning"
+    doc = rep.to_dict()
+    assert all(e["limit"] == 5.0 for e in doc["entries"]) and all("gate" in f for f in doc["findings"])
+    rep.policy = {"limit": 100.0}  # not re-judged by the renderers
+    assert "| 100 |" not in render_markdown(rep)
+    assert "limit 100" not in render_junit(rep) and "limit 5" in render_junit(rep)
+
+
+def test_a_report_saved_without_limits_gets_them_from_its_policy():
+    """A report JSON from before limits and gates were written: loading it applies its embedded
+    policy once (an override, an ignore rule), so the renderers still only read."""
+    rep = _report([_entry("a", 2.0)])
+    doc = rep.to_dict()
+    for e in doc["entries"]:
+        del e["limit"]
+    for f in doc["findings"]:
+        del f["gate"]
+    doc["policy"] = {"limit": 3.5, "overrides": [{"glob": "m", "limit": 9.0}],
+                     "ignore": [{"kind": "view", "reason": "known"}]}
+    back = Report.from_dict(doc)
+    assert back.entries[0].limit == 9.0
+    assert back.findings[0].gate == "ignored" and back.findings[0].details["ignored"] == "known"
