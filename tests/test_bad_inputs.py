@@ -410,6 +410,9 @@ CASES = [
     Case("report JSON that is not a report",
          args=lambda e, c: ["report", e["ref"] / "manifest.json", "--html", c.parent / "r.html"],
          needle="not a driftcheck report", group="two traces"),
+    Case("two outputs to standard output",
+         args=lambda e, c: ["compare", e["ref"], e["tgt"], "--json", "-", "--summary-md", "-"],
+         needle="only one of", group="two traces"),
 ]
 
 

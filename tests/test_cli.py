@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -196,3 +197,29 @@ def test_run_checks_a_missing_target_device_before_recording(tmp_path):
     p = dc("run", "llama", "--reference", "cpu", "--target", "xpu:3", "--out", str(tmp_path / "r"))
     assert "XPU" in one_line_error(p)
     assert not (tmp_path / "r" / "reference").exists()
+
+
+def test_report_output_dash_is_standard_output(traces, tmp_path, capsys):
+    """``report R.json --summary-md -`` prints the summary (it used to write a file named -);
+    the verdict line goes to stderr, so stdout holds the summary alone."""
+    from conftest import run_cli
+
+    rj = tmp_path / "r.json"
+    code, _, _ = run_cli(["compare", traces["mlp"]["fp32"], traces["mlp"]["bf16"], "--json", rj], capsys)
+    assert code == 0
+    os.chdir(tmp_path)
+    code, out, err = run_cli(["report", rj, "--summary-md", "-"], capsys)
+    assert code == 0 and not (tmp_path / "-").exists()
+    assert out.startswith("#") and "PASS" in err
+    code, _, err = run_cli(["report", rj, "--summary-md", "-", "--json", "-"], capsys)
+    assert code == 2 and "only one of" in err
+
+
+def test_report_of_a_non_report_says_so_once(tmp_path, capsys):
+    from conftest import assert_one_line_error, run_cli
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "something/1"}')
+    code, _, err = run_cli(["report", bad, "--html", tmp_path / "x.html"], capsys)
+    line = assert_one_line_error(code, err, "is not a driftcheck report")
+    assert line.count("not a driftcheck report") == 1

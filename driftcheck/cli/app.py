@@ -120,7 +120,16 @@ def _outputs_options(f: Any) -> Any:
 
 def _write_outputs(report: Any, json_path: str | None, html_path: str | None,
                    junit_path: str | None, md_path: str | None) -> None:
+    """Write the report's outputs; a path ``-`` is standard output (one of them at most)."""
+    if [json_path, html_path, junit_path, md_path].count("-") > 1:
+        raise DriftcheckError("only one of --json, --html, --junit and --summary-md can be - "
+                              "(standard output); give the others file names")
+
     def write(path: str, text: str) -> None:
+        if path == "-":
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+            sys.stdout.flush()
+            return
         try:
             Path(path).write_text(text, encoding="utf-8")
         except OSError as e:
@@ -147,7 +156,9 @@ def _finish(obj: _Ctx, report: Any, top: int, json_path: str | None, html_path: 
     from driftcheck.report.terminal import render_terminal
 
     _write_outputs(report, json_path, html_path, junit_path, md_path)
-    render_terminal(report, obj.console(), top=top, quiet=obj.quiet)
+    # an output written to standard output keeps it to itself: the terminal view goes to stderr
+    stdout_taken = "-" in (json_path, html_path, junit_path, md_path)
+    render_terminal(report, obj.console(stderr=stdout_taken), top=top, quiet=obj.quiet)
     raise SystemExit(EXIT_PASS if report else EXIT_FAIL)
 
 

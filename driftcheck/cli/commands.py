@@ -198,12 +198,14 @@ def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | 
     try:
         rep = Report.from_dict(json.loads(raw))
     except (ValueError, TypeError, KeyError) as e:
-        raise DriftcheckError(f"{report_json} is not a driftcheck report ({e})") from None
+        why = str(e).removeprefix("not a driftcheck report").strip(" ()")
+        raise DriftcheckError(f"{report_json} is not a driftcheck report ({why or type(e).__name__})") from None
     if not any((json_path, html_path, junit_path, md_path)):
         raise DriftcheckError("nothing to do: pass --html FILE, --junit FILE, --summary-md FILE or --json FILE")
     _write_outputs(rep, json_path, html_path, junit_path, md_path)
     if not obj.quiet:
-        click.echo(f"{rep.verdict.upper()} {rep.decided_by}")
+        click.echo(f"{rep.verdict.upper()} {rep.decided_by}",
+                   err="-" in (json_path, html_path, junit_path, md_path))
     raise SystemExit(EXIT_PASS if rep else EXIT_FAIL)
 
 

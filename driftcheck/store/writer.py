@@ -23,9 +23,16 @@ from driftcheck.store.replay import write_replay
 from driftcheck.store.shard import code_of, strict_json, write_error, write_safetensors
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; the shards are 0666 & ~umask
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +25,11 @@ CHROMIUM = next((p for p in (os.environ.get("DRIFTCHECK_CHROMIUM"), shutil.which
                              shutil.which("chromium-browser"), "/usr/bin/chromium") if p and os.path.exists(p)), None)
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+# The screenshots in docs/ are regenerated on purpose (DRIFTCHECK_UPDATE_SCREENSHOTS=1), never as
+# a side effect of a test run.
+SCREENSHOTS = (Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+               if os.environ.get("DRIFTCHECK_UPDATE_SCREENSHOTS") == "1"
+               else Path(tempfile.mkdtemp(prefix="driftcheck-screenshots-")))
 
 
 @pytest.fixture(scope="module")

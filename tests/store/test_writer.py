@@ -157,3 +157,14 @@ def test_a_shard_whose_header_points_outside_the_file_is_refused(tmp_path):
     shard.write_bytes(raw[:8] + new + raw[8 + n:])
     with pytest.raises(TraceError, match="outside the file"):
         TraceReader(tmp_path / "t")  # shard headers are checked when the trace is opened
+
+
+def test_manifest_has_the_shards_file_mode(tmp_path):
+    """The manifest is written through a temp file (mkstemp makes it 0600): it ends with the same
+    mode as the shards, 0666 less the umask, so whoever can read the shards can read the trace."""
+    w = TraceWriter(tmp_path / "t")
+    w.add({"key": "0/forward/a/0/output", "module": "a", "phase": "forward", "step": 0, "call": 0,
+           "slot": "output", "order": 0, "shape": [3], "dtype": "float32", "stats": {}}, torch.ones(3))
+    w.close({"steps": 1})
+    shard = next((tmp_path / "t").glob("shard-*.safetensors"))
+    assert (tmp_path / "t" / "manifest.json").stat().st_mode & 0o777 == shard.stat().st_mode & 0o777
