@@ -161,7 +161,10 @@ def parse_cli(name: str) -> torch.dtype:
     try:
         return CLI_DTYPES[name.lower()]
     except (KeyError, AttributeError):
-        raise DriftcheckError(f"unsupported --dtype {name!r}: choose fp32, bf16, fp16 or fp64") from None
+        hint = ""
+        if isinstance(name, str) and name.lower().startswith(("fp8", "e4m3", "e5m2", "float8")):
+            hint = " (fp8 is not a storage dtype here: --fp8 e4m3|e5m2|hybrid emulates fp8 training of Linear layers)"
+        raise DriftcheckError(f"unsupported --dtype {name!r}: choose fp32, bf16, fp16 or fp64{hint}") from None
 
 
 # -- predicates on trace dtype names -------------------------------------------------------------

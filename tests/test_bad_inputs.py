@@ -194,6 +194,12 @@ def _scen(fn: str, *extra: str) -> Callable[[dict[str, Path], Path], list]:
     return args
 
 
+def _policy_file(copy: Path, body: str) -> Path:
+    p = copy.parent / "driftcheck.toml"
+    p.write_text(body + "\n")
+    return p
+
+
 def _replay_from(env: dict[str, Path], copy: Path) -> list:
     """record --replay COPY: the mutated copy is the reference being replayed."""
     return ["record", f"{env['scen']}:build", "--out", copy.parent / f"{copy.name}-out", "--force",
@@ -250,6 +256,19 @@ CASES = [
          group="devices and options"),
     Case("unsupported dtype", args=_scen("build", "--dtype", "int8"), needle="unsupported --dtype",
          group="devices and options"),
+    Case("fp8 asked for as a dtype", args=_scen("build", "--dtype", "fp8"), needle="--fp8",
+         group="devices and options"),
+    Case("--capture-steps beyond the run", args=_scen("build", "--capture-steps", "5"),
+         needle="--capture-steps 5", group="devices and options"),
+    Case("--include glob that matches no module", args=_scen("build", "--include", "nosuch*"),
+         needle="matches no module", group="devices and options"),
+    Case("--exclude glob that matches no module", args=_scen("build", "--exclude", "fc9"),
+         needle="matches no module", group="devices and options"),
+    Case("--full-modules without --mode auto", args=_scen("build", "--full-modules", "*"),
+         needle="--mode auto", group="devices and options"),
+    Case("--phases and --include that capture nothing",
+         args=_scen("build", "--phases", "grads", "--include", "act"),
+         needle="captured no tensor", group="devices and options"),
     Case("zero steps", args=_scen("build", "--steps", "0"), needle="--steps",
          group="devices and options"),
     Case("bad --capture-steps range", args=_scen("build", "--capture-steps", "a-b"),
@@ -410,6 +429,9 @@ CASES = [
     Case("report JSON that is not a report",
          args=lambda e, c: ["report", e["ref"] / "manifest.json", "--html", c.parent / "r.html"],
          needle="not a driftcheck report", group="two traces"),
+    Case("a policy whose steps select none of the traces'",
+         args=lambda e, c: ["compare", e["ref"], e["tgt"], "--policy", _policy_file(c, 'steps = "5-9"')],
+         needle="nothing to judge", group="two traces"),
     Case("two outputs to standard output",
          args=lambda e, c: ["compare", e["ref"], e["tgt"], "--json", "-", "--summary-md", "-"],
          needle="only one of", group="two traces"),

@@ -106,11 +106,25 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
             if t is None:
                 continue  # reported as alignment.missing_in_target; inherits nothing
             entries.append(self._judge(r, t))
+        if not entries:
+            raise DriftcheckError(self._why_nothing_judged(tgt_map))
         self._histograms(entries)
         self._trace_findings()
         self._nonfinite_findings(entries)
         self._precision_findings()
         return self._verdict(entries)
+
+
+    def _why_nothing_judged(self, tgt_map: dict) -> str:
+        steps = sorted({e.step for e in self.ref_entries})
+        if self.ref_entries and not any(self.policy.judges_step(s) for s in steps):
+            return (f"nothing to judge: the policy's steps {self.policy.to_dict()['steps']!r} select none of the "
+                    f"traces' steps ({', '.join(map(str, steps))}); fix 'steps' in the policy")
+        if not self.ref_entries:
+            return (f"nothing to judge: the reference {self.ref.dir} holds no entry; re-record it "
+                    "with wider --phases/--include")
+        return ("nothing to judge: no entry of the reference exists in the target; record the "
+                "target with --replay REF and the same MODEL and options")
 
 
 def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy | None = None,

@@ -10,6 +10,8 @@ With ``parallel="ddp"|"fsdp"`` (under torchrun) the same function records this r
 from __future__ import annotations
 
 import contextlib
+import difflib
+import fnmatch
 import os
 import uuid
 from pathlib import Path
@@ -144,6 +146,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         if parallel:
             replay_meta.update(rank=rank, world_size=world)
 
+    _check_selection(model, include, exclude, full_modules, mode, capture_steps, n_steps)
     model.to(device=device)
     if tdtype != torch.float32:
         # Floating tensors only: Module.to(dtype) would also cast complex tensors to real,
@@ -209,6 +212,10 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                                     "phases": sorted(sel_phases), "transfer": transfer},
                            **({"rank": rank, "world_size": world, "parallel": parallel,
                                "backend": backend} if parallel else {}))
+        if not writer.entries:
+            raise DriftcheckError(
+                f"the record captured no tensor ({n_steps} step(s) ran): --phases, --include, "
+                "--exclude and --capture-steps together select nothing; widen them")
         extra = tracer.manifest_extra()
         if tracer.fp8_stats:
             extra["fp8"] = tracer.fp8_stats
@@ -216,6 +223,31 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             extra["view_events"] = tracer.events
         writer.close(run, extra=extra)
     return Path(out)
+
+
+def _check_selection(model: nn.Module, include: Iterable[str] | None, exclude: Iterable[str] | None,
+                     full_modules: Iterable[str] | None, mode: str,
+                     capture_steps: Iterable[int] | None, n_steps: int) -> None:
+    """Options that would select nothing are refused before anything runs: a module glob that
+    matches no module (with the nearest module paths), --full-modules without --mode auto, a
+    --capture-steps step the run does not have."""
+    names = [n for n, _ in model.named_modules()]
+    for flag, globs in (("--include", include), ("--exclude", exclude), ("--full-modules", full_modules)):
+        for g in globs or ():
+            if not any(fnmatch.fnmatchcase(n, g) for n in names):
+                near = difflib.get_close_matches(g.strip("*?"), [n for n in names if n], n=3, cutoff=0.3)
+                raise DriftcheckError(f"{flag} {g!r} matches no module of this model"
+                                      + (f" (nearest: {', '.join(near)})" if near else "")
+                                      + "; module paths are named_modules() names, e.g. "
+                                      f"{', '.join(repr(n) for n in names[1:4])}")
+    if full_modules and mode != "auto":
+        raise DriftcheckError(f"--full-modules only takes effect with --mode auto (this record is "
+                              f"--mode {mode}); add --mode auto or drop --full-modules")
+    outside = sorted(s for s in set(capture_steps or ()) if s >= n_steps)
+    if outside:
+        raise DriftcheckError(f"--capture-steps {','.join(map(str, outside))}: this run has "
+                              f"{n_steps} step(s) (0-{n_steps - 1}); choose steps in that range "
+                              "or record more with --steps")
 
 
 def train(model: nn.Module, batches: list[Any], scenario: Scenario,

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
 from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from driftcheck import dtypes
 from driftcheck import stats as tstats
+from driftcheck.errors import DriftcheckError
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
@@ -267,16 +270,27 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         ...         loss = loss_fn(model(batch)); loss.backward(); opt.step(); opt.zero_grad()
         ...         t.step(loss)
     """
-    with TraceWriter(out, force=force) as writer:
+    try:
+        writer = TraceWriter(out, force=force)
+    except DriftcheckError as e:  # the CLI's words name --force; a Python caller passes force=True
+        raise FileExistsError(str(e).replace("pass --force", "pass force=True")) from None
+    with writer:
         tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, **kwargs).attach()
         try:
             yield tracer
         finally:
             tracer._active = False
             tracer.detach()
+        if tracer.step_index == 0:
+            warnings.warn(f"driftcheck.trace({out!r}): the block ended without t.step(); the trace "
+                          "holds a partial step 0 and says 0 steps. Call t.step(loss) at the end of "
+                          "every training step", stacklevel=3)
         tracer.flush()
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        params = sum(p.numel() for p in model.parameters())
         meta = run_metadata(model=model, device=_model_device(model), mode=mode,
-                            steps=tracer.step_index)
+                            steps=tracer.step_index, dtype=dtypes.name_of(dtype), dtype_obj=dtype,
+                            model_id=f"{type(model).__name__} ({params} parameters)")
         meta.update(run or {})
         writer.close(meta, extra=tracer.manifest_extra())
 

@@ -417,3 +417,30 @@ def test_a_sparse_gradient_is_recorded_dense(tmp_path):
     reader = TraceReader(out)
     e = next(e for e in reader.entries if e["key"] == "0/grads/0/0/param.weight")
     assert e["shape"] == [100, 16] and torch.equal(reader.tensor(e), expected)
+
+
+def test_library_trace_records_the_models_dtype_precision_and_an_id(tmp_path):
+    """driftcheck.trace on a bf16 model: the manifest says bfloat16 (it said None, and the
+    precision float32, so no precision.settings_differ appeared), and names the model."""
+    import driftcheck
+    from driftcheck.store import TraceReader
+
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    with driftcheck.trace(model, out=str(tmp_path / "t")) as t:
+        model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+        t.step()
+    run = TraceReader(tmp_path / "t").run
+    assert run["dtype"] == "bfloat16" and run["precision"]["dtype"] == "bfloat16"
+    assert run["model_id"] == "Linear (15 parameters)"
+
+
+def test_library_trace_warns_without_a_step_and_speaks_python(tmp_path):
+    import driftcheck
+
+    model = torch.nn.Linear(4, 3)
+    with pytest.warns(UserWarning, match="without t.step"):
+        with driftcheck.trace(model, out=str(tmp_path / "t")):
+            model(torch.randn(2, 4))
+    with pytest.raises(FileExistsError, match="force=True"):
+        with driftcheck.trace(model, out=str(tmp_path / "t")):
+            pass
