@@ -24,14 +24,15 @@ Pure: parses text and answers questions; the only I/O is reading the policy file
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import math
 import os
 import tomllib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.store.format import PHASES, kind_matches
+from driftcheck.store.format import FINDING_KINDS, PHASES, kind_matches
 
 if TYPE_CHECKING:  # report imports the policy (for reports saved without limits)
     from driftcheck.report import Finding
@@ -158,7 +159,7 @@ class Policy:
             fail_on = data["fail_on"]
             if not isinstance(fail_on, list) or not all(isinstance(k, str) and k for k in fail_on):
                 raise DriftcheckError(f"{where}: 'fail_on' must be a list of finding kinds, e.g. fail_on = [\"batchnorm\", \"view\"]")
-            fail_on = tuple(fail_on)
+            fail_on = tuple(_kind(k, where, "fail_on item") for k in fail_on)
         steps = _steps(data["steps"], where, "steps") if "steps" in data else None
         return cls(limit=limit, overrides=overrides, ignores=ignores, fail_on=fail_on, steps=steps, source=source)
 
@@ -209,6 +210,32 @@ class Policy:
             return finding.severity == "error" and any(kind_matches(finding.kind, k) for k in DEFAULT_FAIL_ON)
         # An explicit list is the user's decision: a listed kind fails whatever its severity.
         return any(kind_matches(finding.kind, k) for k in self.fail_on)
+
+    def check_traces(self, modules: Iterable[str], steps: Iterable[int]) -> None:
+        """Rules that cannot apply to the traces being judged are errors, not silent no-ops: a
+        module glob that matches no module (with the nearest paths), a step range beyond the
+        traces' steps."""
+        if not (self.overrides or self.ignores or self.steps):
+            return
+        where, names, last = _where(self.source or "<policy>"), sorted(set(modules)), max(steps, default=-1)
+
+        def glob_hits(glob: str, what: str) -> None:
+            if glob != "*" and not any(fnmatch.fnmatchcase(n, glob) for n in names):
+                near = difflib.get_close_matches(glob.strip("*?"), [n for n in names if n], n=3, cutoff=0.3)
+                raise DriftcheckError(f"{where}: {what} {glob!r} matches no module of the traces"
+                                      + (f" (nearest: {', '.join(near)})" if near else ""))
+
+        def in_steps(rng: tuple[int, int | None] | None, what: str) -> None:
+            if rng is not None and (rng[0] > last or (rng[1] is not None and rng[1] > last)):
+                raise DriftcheckError(f"{where}: {what} {_steps_text(rng)!r} lies outside the traces' "
+                                      f"steps (0-{last}); fix the range or record more steps")
+
+        for i, o in enumerate(self.overrides):
+            glob_hits(o.glob, f"[[module]] #{i + 1} glob")
+        for i, r in enumerate(self.ignores):
+            glob_hits(r.glob, f"[[ignore]] #{i + 1} glob")
+            in_steps(r.steps, f"[[ignore]] #{i + 1} steps")
+        in_steps(self.steps, "steps")
 
     def judges_step(self, step: int) -> bool:
         """Whether ``step`` is in the judged ``steps`` range (all steps when none is set)."""
@@ -271,6 +298,18 @@ def _phase(table: dict[str, Any], where: str, what: str) -> str | None:
     return phase
 
 
+def _kind(pattern: str, where: str, what: str) -> str:
+    """A finding-kind pattern that matches at least one kind driftcheck reports: a misspelt one
+    (``views``) would silently switch a gate rule off."""
+    if any(kind_matches(k, pattern) for k in FINDING_KINDS):
+        return pattern
+    families = sorted({k.split(".")[0] for k in FINDING_KINDS})
+    near = difflib.get_close_matches(pattern, families + sorted(FINDING_KINDS), n=2, cutoff=0.5)
+    hint = f"did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
+    raise DriftcheckError(f"{where}: {what} {pattern!r} matches no finding kind ({hint}kinds are "
+                          f"{', '.join(families)} and their dotted kinds, docs/findings.md)")
+
+
 def _override(rule: Any, where: str, what: str) -> Override:
     if not isinstance(rule, dict):
         raise DriftcheckError(f"{where}: {what} must be a table with glob and limit, got {rule!r}")
@@ -294,7 +333,8 @@ def _ignore(rule: Any, where: str, what: str) -> IgnoreRule:
         raise DriftcheckError(f"{where}: {what} (glob {glob!r}) has no 'reason'; every ignore rule must say "
                               f"why, e.g. reason = \"dropout differs by design\"")
     steps = _steps(rule["steps"], where, f"{what} steps") if "steps" in rule else None
-    return IgnoreRule(reason=reason.strip(), glob=glob, kind=_str(rule, "kind", where, what),
+    kind = _str(rule, "kind", where, what)
+    return IgnoreRule(reason=reason.strip(), glob=glob, kind=None if kind is None else _kind(kind, where, f"{what} kind"),
                       phase=_phase(rule, where, what), steps=steps)
 
 

@@ -99,3 +99,17 @@ def test_store_format_and_policy_load_without_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_finding_kind_the_code_reports_is_in_the_vocabulary():
+    """Policies are checked against store.format.FINDING_KINDS: a kind the code reports but the
+    vocabulary lacks could never be named in a policy."""
+    from driftcheck.store.format import FINDING_KINDS
+
+    used = set()
+    for p in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Finding", "finding") \
+                    and node.args and isinstance(node.args[0], ast.Constant):
+                used.add(node.args[0].value)
+    assert len(used) >= 15 and used <= FINDING_KINDS, used - FINDING_KINDS

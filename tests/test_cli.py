@@ -223,3 +223,19 @@ def test_report_of_a_non_report_says_so_once(tmp_path, capsys):
     code, _, err = run_cli(["report", bad, "--html", tmp_path / "x.html"], capsys)
     line = assert_one_line_error(code, err, "is not a driftcheck report")
     assert line.count("not a driftcheck report") == 1
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--target", "tpu"], "needs torch_tpu"),
+    (["--target", "cpu", "--local", "--mode", "stats"], "--local needs full tensors"),
+    (["--target", "cpu", "--steps", "0"], "--steps must be at least 1"),
+])
+def test_run_refuses_before_recording_anything(tmp_path, capsys, extra, needle):
+    """run checks its options and devices first: no reference recorded, no run directory made
+    (it used to record the whole reference, then fail on the target)."""
+    from conftest import assert_one_line_error, run_cli
+
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "mlp", "--out", out, *extra], capsys)
+    assert_one_line_error(code, err, needle)
+    assert not out.exists()

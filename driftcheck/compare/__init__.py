@@ -85,6 +85,7 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
 
     def run(self) -> Report:
         self._check_runs()
+        self.policy.check_traces({e.module for e in self.ref_entries}, {e.step for e in self.ref_entries})
         ref_entries = sorted(self.ref_entries, key=lambda e: (e.step, fmt.PHASE_RANK[e.phase], e.order))
         self.ref_index = DependencyIndex(ref_entries, self.ref.manifest.get("tied_params"))
         ref_map = {e.align: e for e in ref_entries}

@@ -53,14 +53,9 @@ def prepare_run_dir(out: Path, force: bool) -> Path:
 
 def record_sides(sides: Sides, *, debug: bool = False,
                  say: Callable[[str], None] | None = None) -> tuple[Path, Path, Path, Path | None]:
-    """Record every side of ``sides``; (run dir, reference, target, truth or None)."""
-    for spec in (sides.reference, sides.target):
-        dev_type, _ = devices.parse_device(spec)
-        if dev_type in devices.BUILTIN_TYPES:
-            # torch's own devices are checked now, not after minutes of recording the reference;
-            # tpu and other backends load (and are checked) in their own record process
-            devices.prepare_environment(dev_type)
-            devices.open_device(spec)
+    """Record every side of ``sides``; (run dir, reference, target, truth or None). Every option
+    and device is checked before anything is recorded or any directory made."""
+    check(sides)
     out = prepare_run_dir(sides.out, sides.force)
     common = ["--seed", str(sides.seed), "--mode", sides.mode, "--force"] + (
         ["--steps", str(sides.steps)] if sides.steps else [])
@@ -80,6 +75,26 @@ def record_sides(sides: Sides, *, debug: bool = False,
         tgt_args += ["--local", str(ref_dir)]
     _record(tgt_args, "target", debug, say)
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
+
+
+def check(sides: Sides) -> None:
+    """What can be known wrong before recording: option combinations and devices (torch's own
+    opened here; tpu's package looked up without importing it). This process stays torch-free
+    until it compares (a torch_tpu with a broken runtime would make ``import torch`` fail here):
+    the dtypes are checked by each record process."""
+    if sides.local and sides.mode != "full":
+        raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "
+                              "or drop --local")
+    if sides.steps is not None and sides.steps < 1:
+        raise DriftcheckError(f"--steps must be at least 1, got {sides.steps}")
+    for spec in (sides.reference, sides.target):
+        dev_type, _ = devices.parse_device(spec)
+        if dev_type in devices.BUILTIN_TYPES:
+            # torch's own devices are checked now, not after minutes of recording the reference
+            devices.prepare_environment(dev_type)
+            devices.open_device(spec)
+        elif dev_type == "tpu" and devices.torch_tpu_version() is None:
+            raise DriftcheckError(f"device 'tpu' needs torch_tpu: {devices.TPU_FIX}")
 
 
 def _record(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None) -> None:

@@ -48,6 +48,20 @@ def base_slot(slot: str) -> str:
     return slot[len(LOCAL_PREFIX):] if is_local_slot(slot) else slot
 
 
+# Every finding kind driftcheck reports (docs/findings.md explains each): what a policy's
+# fail_on and ignore kinds are checked against. tests/test_architecture.py keeps it complete.
+FINDING_KINDS = frozenset({
+    "alignment.dtype_mismatch", "alignment.extra_in_target", "alignment.missing_in_target",
+    "alignment.shape_mismatch",
+    "batchnorm.counter_not_advanced", "batchnorm.counter_wrong", "batchnorm.running_stats_not_updated",
+    "batchnorm.running_stats_wrong", "batchnorm.updated_in_eval",
+    "inplace.base_not_updated", "inplace.value_mismatch",
+    "nonfinite.origin", "nonfinite.reference",
+    "precision.fp8_casts", "precision.fp8_saturation", "precision.settings_differ",
+    "view.alias_lost", "view.layout_mismatch",
+})
+
+
 def kind_matches(kind: str, pattern: str) -> bool:
     """Finding kinds are dotted (``batchnorm.running_stats_not_updated``): ``pattern`` is a dotted
     prefix (``view`` matches ``view.alias_lost``) or an fnmatch glob."""

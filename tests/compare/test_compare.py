@@ -308,3 +308,14 @@ def test_a_kink_that_changes_the_slope_is_judged_at_its_crossings(tmp_path):
     lk = [e.details["kink_flips"] for e in rep.entries
           if e.module == "lk" and e.slot == "grad_input.0" and "kink_flips" in e.details]
     assert lk and all(f["count"] > 0 and f["count"] <= f["forward_crossings"] for f in lk)
+
+
+def test_comparing_traces_with_nothing_to_judge_is_an_error(tmp_path):
+    """Two traces without a single entry used to PASS ('all 0 entries within the limit')."""
+    from driftcheck.errors import DriftcheckError
+    from driftcheck.store import TraceWriter
+
+    for name in ("a", "b"):
+        TraceWriter(tmp_path / name).close({"steps": 1})
+    with pytest.raises(DriftcheckError, match="nothing to judge"):
+        compare(tmp_path / "a", tmp_path / "b")
