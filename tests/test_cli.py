@@ -239,3 +239,21 @@ def test_run_refuses_before_recording_anything(tmp_path, capsys, extra, needle):
     code, _, err = run_cli(["run", "mlp", "--out", out, *extra], capsys)
     assert_one_line_error(code, err, needle)
     assert not out.exists()
+
+
+def test_run_hands_each_side_the_users_backend_autoload(tmp_path, monkeypatch):
+    """run checks its devices in its own process; that must not leave
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 for the sides it starts: a tpu target needs the autoload
+    (it failed with 'torch_tpu is installed but not loaded')."""
+    import driftcheck.record.run as run_mod
+
+    monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD", raising=False)
+    envs = []
+
+    def fake(cmd, env, **kw):
+        envs.append(env)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(run_mod.subprocess, "run", fake)
+    run_mod.record_sides(run_mod.Sides(model="mlp", out=tmp_path / "r", reference="cpu", target="cpu"))
+    assert len(envs) == 2 and all("TORCH_DEVICE_BACKEND_AUTOLOAD" not in e for e in envs)

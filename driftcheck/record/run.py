@@ -55,7 +55,14 @@ def record_sides(sides: Sides, *, debug: bool = False,
                  say: Callable[[str], None] | None = None) -> tuple[Path, Path, Path, Path | None]:
     """Record every side of ``sides``; (run dir, reference, target, truth or None). Every option
     and device is checked before anything is recorded or any directory made."""
+    user_autoload = os.environ.get(devices.AUTOLOAD_VAR)
     check(sides)
+    # checking torch's own devices set TORCH_DEVICE_BACKEND_AUTOLOAD=0 here: each side must get
+    # the user's setting back and choose for itself (a tpu target needs the autoload)
+    if user_autoload is None:
+        os.environ.pop(devices.AUTOLOAD_VAR, None)
+    else:
+        os.environ[devices.AUTOLOAD_VAR] = user_autoload
     out = prepare_run_dir(sides.out, sides.force)
     common = ["--seed", str(sides.seed), "--mode", sides.mode, "--force"] + (
         ["--steps", str(sides.steps)] if sides.steps else [])
@@ -88,7 +95,9 @@ def check(sides: Sides) -> None:
     if sides.steps is not None and sides.steps < 1:
         raise DriftcheckError(f"--steps must be at least 1, got {sides.steps}")
     for spec in (sides.reference, sides.target):
-        dev_type, _ = devices.parse_device(spec)
+        dev_type, index = devices.parse_device(spec)
+        if dev_type == "cpu" and index in (None, 0):
+            continue  # always there: no torch needed to know it
         if dev_type in devices.BUILTIN_TYPES:
             # torch's own devices are checked now, not after minutes of recording the reference
             devices.prepare_environment(dev_type)
