@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from driftcheck.report import DRIFT, MISALIGNED, NONFINITE, OK, Entry, Report, gate_state
+from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Report, gate_state
 
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
 
@@ -32,9 +32,7 @@ class Verdict:
             verdict = "fail"
             parts = []
             if first is not None:
-                parts.append(f"{first.key} has ratio {_fmt_ratio(first.ratio)} > limit "
-                             f"({first.rule})" if first.status == DRIFT else
-                             f"{first.key} has NaN/Inf the reference lacks")
+                parts.append(_decisive(first))
             if gate_findings:
                 kinds = sorted({f.kind for f in gate_findings})
                 parts.append(f"{len(gate_findings)} finding(s) fail the gate: {', '.join(kinds)}")
@@ -44,10 +42,12 @@ class Verdict:
             decided_by = "; ".join(parts)
         else:
             verdict = "pass"
-            worst = max((e.ratio for e in entries if e.ratio is not None and math.isfinite(e.ratio)),
+            judged = [e for e in entries if e.status != IGNORED]  # ignored ones are not within it
+            worst = max((e.ratio for e in judged if e.ratio is not None and math.isfinite(e.ratio)),
                         default=0.0)
-            decided_by = (f"all {len(entries)} entries within the limit (worst ratio "
+            decided_by = (f"all {len(judged)} entries within the limit (worst ratio "
                           f"{worst:.3g} <= {limit:g}) and no finding fails the gate")
+        decided_by += _ignored_words(entries, self.findings)
         fd = None
         if first is not None:
             fd = {"key": first.key, "module": first.module, "phase": first.phase,
@@ -84,6 +84,42 @@ class Verdict:
         if e.phase == "forward" and e.slot.startswith("input") and parent is not None:
             return parent[1]
         return e.module
+
+
+def _ignored_words(entries: list[Entry], findings: list) -> str:
+    """What the policy's ignore rules took out of the verdict, with their reasons (shown on every
+    surface, since the verdict sentence is)."""
+    reasons: dict[str, list[int]] = {}
+    for e in entries:
+        if e.status == IGNORED:
+            reasons.setdefault(e.rule or "ignore rule", [0, 0])[0] += 1
+    for f in findings:
+        if f.gate == "ignored":
+            reasons.setdefault((f.details or {}).get("ignored") or "ignore rule", [0, 0])[1] += 1
+    if not reasons:
+        return ""
+    n_e = sum(v[0] for v in reasons.values())
+    n_f = sum(v[1] for v in reasons.values())
+    what = " and ".join(x for x in (f"{n_e} entr{'y' if n_e == 1 else 'ies'}" if n_e else "",
+                                   f"{n_f} finding{'' if n_f == 1 else 's'}" if n_f else "") if x)
+    shown = "; ".join(f"{r!r}: {a + b}" for r, (a, b) in list(reasons.items())[:3])
+    more = f"; +{len(reasons) - 3} more reasons" if len(reasons) > 3 else ""
+    return f"; ignored by the policy: {what} ({shown}{more})"
+
+
+def _decisive(e: Entry) -> str:
+    """The first divergence in words, with the number that failed and where it came from: the
+    local replay's ratio when the propagated one is within the limit, else the propagated (or
+    truth-judged) ratio."""
+    where = f"{e.module or '(model)'} {e.phase} step {e.step} {e.slot}"
+    if e.status == NONFINITE:
+        return f"{where} has NaN/Inf the reference lacks"
+    if e.ratio is not None and e.limit is not None and e.ratio <= e.limit and e.local_ratio is not None:
+        return (f"{where}: local ratio {_fmt_ratio(e.local_ratio)} > limit {e.limit:g} ({e.rule}, "
+                f"the module's own error replayed on the reference's inputs; propagated ratio "
+                f"{_fmt_ratio(e.ratio)} is within it)")
+    source = "truth run" if e.decided_by == "truth" else "propagated"
+    return f"{where}: ratio {_fmt_ratio(e.ratio)} > limit {e.limit:g} ({e.rule}, {source})"
 
 
 def _blamed(e: Entry) -> bool:

@@ -32,9 +32,12 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
                   + (f" fp8={tgt.get('fp8')}" if tgt.get("fp8") else ""), highlight=False, markup=False)
     fd = report.first_divergence
     if fd:
+        number = ("NaN/Inf the reference lacks" if fd.get("status") == "nonfinite" else
+                  f"local ratio {_ratio(fd['local_ratio'])}, propagated {_ratio(fd.get('ratio'))}"
+                  if fd.get("local_ratio") is not None else f"ratio {_ratio(fd.get('ratio'))}")
         console.print(f"first divergence: [bold]{escape(fd['module'] or '(model)')}[/] step "
-                      f"{fd['step']} {fd['phase']} {escape(fd['slot'])} (ratio "
-                      f"{_ratio(fd.get('ratio'))}): {escape(fd.get('where', ''))}", highlight=False)
+                      f"{fd['step']} {fd['phase']} {escape(fd['slot'])} ({number}): "
+                      f"{escape(fd.get('where', ''))}", highlight=False)
     elif not ok:
         console.print("first divergence: none (the gate failed on findings)", highlight=False)
     table = Table(title=f"worst {top} entries (ratio = error / noise floor, limit {report.limit:g})",

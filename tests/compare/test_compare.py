@@ -319,3 +319,41 @@ def test_comparing_traces_with_nothing_to_judge_is_an_error(tmp_path):
         TraceWriter(tmp_path / name).close({"steps": 1})
     with pytest.raises(DriftcheckError, match="nothing to judge"):
         compare(tmp_path / "a", tmp_path / "b")
+
+
+def test_ignored_entries_and_their_reasons_are_in_the_verdict(traces, tmp_path):
+    """An ignore rule over the faulty module: the verdict passes, but says what was ignored and
+    why, and its worst ratio is over the judged entries only (it printed the ignored 1e7 ratio
+    as 'worst ratio ... <= 3.5')."""
+    from driftcheck.policy import Policy
+    from driftcheck.report.junit import render_junit
+    from driftcheck.report.markdown import render_markdown
+
+    mod, failed = fault_report(traces, "mlp", tmp_path, lambda m: scale_output(m, 1.5))
+    policy = Policy.from_mapping({"ignore": [{"glob": mod, "reason": "rewritten kernel, issue #42"}]})
+    rep = compare(traces["mlp"]["fp32"], tmp_path / "t", policy=policy)
+    ignored = [e for e in rep.entries if e.status == "ignored"]
+    assert rep.verdict == "pass" and ignored
+    assert f"ignored by the policy: {len(ignored)} entr" in rep.decided_by
+    assert "'rewritten kernel, issue #42'" in rep.decided_by
+    worst_judged = max(e.ratio for e in rep.entries if e.status != "ignored")
+    assert f"worst ratio {worst_judged:.3g}" in rep.decided_by
+    assert max(e.ratio for e in ignored) > worst_judged
+    for text in (render_markdown(rep), render_junit(rep)):
+        assert "rewritten kernel, issue #42" in text
+
+
+def test_verdict_names_the_number_that_failed_and_its_source(traces, tmp_path):
+    """With local replay the failing number is the local ratio: the verdict line printed the
+    propagated one ('ratio 1.98 > limit'), below the limit it claimed to exceed."""
+    ref = traces["llama"]["fp32"]
+    mod = a_middle_linear("llama")
+    tgt = record_builtin("llama", tmp_path / "t", dtype="bf16", replay=ref, local=ref,
+                         target_hooks=scale_output(mod, 1.02))  # below the propagated floor
+    rep = compare(ref, tgt)
+    assert rep.verdict == "fail"
+    first = next(e for e in rep.entries if e.key == rep.first_divergence["key"])
+    assert first.module == mod and first.ratio <= first.limit < first.local_ratio
+    assert rep.decided_by.startswith(f"{mod} {first.phase} step {first.step} {first.slot}: local ratio "
+                                     f"{first.local_ratio:.3g} > limit {first.limit:g}")
+    assert f"propagated ratio {first.ratio:.3g} is within it" in rep.decided_by
