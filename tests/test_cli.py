@@ -257,3 +257,28 @@ def test_run_hands_each_side_the_users_backend_autoload(tmp_path, monkeypatch):
     monkeypatch.setattr(run_mod.subprocess, "run", fake)
     run_mod.record_sides(run_mod.Sides(model="mlp", out=tmp_path / "r", reference="cpu", target="cpu"))
     assert len(envs) == 2 and all("TORCH_DEVICE_BACKEND_AUTOLOAD" not in e for e in envs)
+
+
+def test_options_that_change_nothing_say_so(tmp_path, capsys):
+    """--simulate on a model it cannot affect, and --matmul-precision on a CPU whose float32
+    matmuls it leaves bitwise the same, used to pass in silence."""
+    from conftest import run_cli
+
+    code, _, err = run_cli(["record", "mlp", "--out", tmp_path / "a", "--simulate", "skip-bn-stats"], capsys)
+    assert code == 0 and "--simulate skip-bn-stats changed nothing" in err  # the MLP has no BatchNorm
+    code, _, err = run_cli(["record", "resnet", "--out", tmp_path / "b", "--steps", "1",
+                            "--simulate", "skip-bn-stats"], capsys)
+    assert code == 0 and "changed nothing" not in err
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 64, generator=g)
+    torch.set_float32_matmul_precision("medium")
+    try:
+        medium = a @ b
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    try:
+        code, _, err = run_cli(["record", "mlp", "--out", tmp_path / "c", "--matmul-precision", "medium"],
+                               capsys)
+    finally:
+        torch.set_float32_matmul_precision("highest")  # the in-process record set it for good
+    assert code == 0 and ("changes nothing" in err) == torch.equal(medium, a @ b)

@@ -117,6 +117,10 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
         from driftcheck import precision
 
         precision.apply_settings(matmul_precision=matmul_precision)
+        if torch_device.type == "cpu" and not _matmul_precision_matters(matmul_precision):
+            click.echo(f"driftcheck: warning: --matmul-precision {matmul_precision} changes nothing in "
+                       "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
+                       "effect on CUDA (TF32) and under torch_tpu", err=True)
     from driftcheck.loader import load_scenario
     from driftcheck.record.runner import record as do_record
 
@@ -131,10 +135,13 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
             simulate=simulate, parallel=parallel,
             on_step=lambda i, n: p.update(task, completed=i, total=n)))
-    if not obj.quiet:
-        from driftcheck.store import TraceReader
+    from driftcheck.store import TraceReader
 
-        reader = TraceReader(out)
+    reader = TraceReader(out)
+    if simulate and reader.run.get("simulated_changes") == 0:
+        click.echo(f"driftcheck: warning: --simulate {simulate} changed nothing in this model (no op it "
+                   "alters ran), so this record checks nothing about that defect", err=True)
+    if not obj.quiet:
         click.echo(f"recorded {len(reader.entries)} tensors over {reader.run['steps']} step(s) "
                    f"into {out}")
         seen: dict[tuple[str, str], int] = {}
@@ -144,6 +151,21 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             click.echo(f"finding {kind} in {module or '(model)'} ({n} call(s)); driftcheck compare shows it")
 
 
+
+
+def _matmul_precision_matters(level: str) -> bool:
+    """Whether ``torch.set_float32_matmul_precision(level)`` (already applied) changes a CPU
+    float32 matmul here: some builds use bf16 passes on CPUs that have them, most change nothing."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 64, generator=g)
+    got = a @ b
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return not torch.equal(got, a @ b)
+    finally:
+        torch.set_float32_matmul_precision(level)
 
 
 @cli.command()

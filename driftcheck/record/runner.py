@@ -211,7 +211,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                            capture={"include": list(include or []), "exclude": list(exclude or []),
                                     "phases": sorted(sel_phases), "transfer": transfer},
                            **({"rank": rank, "world_size": world, "parallel": parallel,
-                               "backend": backend} if parallel else {}))
+                               "backend": backend} if parallel else {}),
+                           **({"simulated_changes": fault_ctx.changes} if simulate else {}))
         if not writer.entries:
             raise DriftcheckError(
                 f"the record captured no tensor ({n_steps} step(s) ran): --phases, --include, "
