@@ -170,6 +170,10 @@ def validate_manifest(m: Any) -> dict[str, Any]:
                                        and sample["shard"] in shards
                                        and type(sample.get("name")) is str):
             raise FormatError(f"manifest entry {i} has a malformed 'sample' reference")
+        for ref in (tensor, sample):
+            crc = ref.get("crc32c") if ref is not None else None
+            if crc is not None and not (type(crc) is int and 0 <= crc < 1 << 32):
+                raise FormatError(f"manifest entry {i} has a malformed 'crc32c' checksum")
         _check_stats(i, e["stats"])
         meta = e.get("meta")
         if meta is not None:

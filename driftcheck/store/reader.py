@@ -53,6 +53,7 @@ class TraceReader:
         self.run: dict[str, Any] = self.manifest["run"]
         self.entries: list[dict[str, Any]] = self.manifest["entries"]
         self._maps: dict[str, MappedShard] = {}
+        self._verified: set[str] = set()  # shards whose entries' checksums held
         self._map_lock = threading.Lock()
         for shard in self.manifest["shards"]:
             self._shard_path(shard)  # refuse links/escapes up front
@@ -96,7 +97,7 @@ class TraceReader:
         ref = entry.get(which)
         if ref is None:
             return None
-        shard = self._mapped(ref["shard"])
+        shard = self._mapped(ref["shard"], verify=True)
         dtype, shape, begin, end = self._located(entry, which, shard)
         return shard.read(dtype, shape, begin, end)
 
@@ -113,7 +114,7 @@ class TraceReader:
         ref = entry.get(which)
         if ref is None:
             return None
-        shard = self._mapped(ref["shard"])
+        shard = self._mapped(ref["shard"], verify=True)
         dtype, shape, begin, end = self._located(entry, which, shard)
         if part is not None:
             item = dtype.itemsize
@@ -137,12 +138,31 @@ class TraceReader:
                              "the trace is corrupt")
         return info
 
-    def _mapped(self, shard: str) -> MappedShard:
+    def _mapped(self, shard: str, verify: bool = False) -> MappedShard:
+        """The mapped shard; ``verify``: its entries' checksums checked first (once a shard, the
+        first time its data is read), so a byte changed in place is a corrupt trace, not drift."""
         with self._map_lock:
             m = self._maps.get(shard)
             if m is None:
                 m = self._maps[shard] = MappedShard(self._shard_path(shard, check_size=True))
+            if verify and shard not in self._verified:
+                self._verify(shard, m)
+                self._verified.add(shard)
             return m
+
+    def _verify(self, shard: str, m: MappedShard) -> None:
+        for e in self.entries:
+            for which in ("tensor", "sample"):
+                ref = e.get(which)
+                if ref is None or ref["shard"] != shard or "crc32c" not in ref:
+                    continue
+                _, _, begin, end = m.tensors[ref["name"]]
+                got = m.checksum(begin, end)
+                if got != ref["crc32c"]:
+                    raise TraceError(
+                        f"shard {self.dir / shard}: the bytes of entry {e['key']} ({which}) fail "
+                        f"their checksum (crc32c {got:08x}, the manifest says {ref['crc32c']:08x}): "
+                        "the file changed after it was written; the trace is corrupt, re-record it")
 
     def read_replay(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return read_replay(self.dir)

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+import crc32c
 import orjson
 import torch
 
@@ -41,12 +42,14 @@ def write_error(trace_dir: Path, e: OSError) -> DriftcheckError:
 
 
 def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]], *,
-                      metadata: dict[str, str] | None = None, fsync: bool = True) -> int:
+                      metadata: dict[str, str] | None = None, fsync: bool = True,
+                      checksums: dict[str, int] | None = None) -> int:
     """Write contiguous CPU tensors as one safetensors file, straight from their memory.
 
     A standard safetensors file (header padded to 8 bytes, tensors ordered by element size then
     name, so each is aligned) written without ``safetensors.torch.save_file``'s intermediate
-    ``bytes`` copy of every tensor. Returns the file size.
+    ``bytes`` copy of every tensor. Returns the file size. ``checksums``: filled with the CRC32C
+    of each tensor's bytes, as written.
     """
     order = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
     header: dict[str, Any] = {}
@@ -60,6 +63,8 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
         header[name] = {"dtype": code_of(t.dtype, name), "shape": list(t.shape),
                         "data_offsets": [offset, offset + n]}
         offset += n
+        if checksums is not None:
+            checksums[name] = crc32c.crc32c(view)
         if n:
             views.append(view)
     raw = strict_json(header)
@@ -177,6 +182,15 @@ class MappedShard:
         page = mmap.PAGESIZE
         self._release(begin - begin % page, min(len(self.mm), -(-end // page) * page))
         return out
+
+    def checksum(self, begin: int, end: int) -> int:
+        """CRC32C of the bytes [begin, end) (pages released after)."""
+        if end <= begin:
+            return crc32c.crc32c(b"")
+        value = crc32c.crc32c(memoryview(self.mm)[begin:end])
+        page = mmap.PAGESIZE
+        self._release(begin - begin % page, min(len(self.mm), -(-end // page) * page))
+        return value
 
     def iter_chunks(self, dtype: torch.dtype, begin: int, end: int,
                     chunk_elems: int) -> Iterator[torch.Tensor]:

@@ -105,13 +105,14 @@ class TraceWriter:
         self._shard_index = 0
         self._shard_name = fmt.shard_name(0)  # the shard being filled
         self._pending: list[tuple[str, torch.Tensor]] = []
+        self._refs: dict[str, dict[str, Any]] = {}  # tensor name -> its entry's reference
         self._pending_bytes = 0
         self._keys: set[tuple] = set()
         self.closed = False
         # Bytes accepted and not yet on disk (current shard + queued + being written).
         self._held = 0
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, list[tuple[str, torch.Tensor]], int] | None] = \
+        self._queue: collections.deque[tuple[str, list[tuple[str, torch.Tensor]], int, dict] | None] = \
             collections.deque()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -144,7 +145,9 @@ class TraceWriter:
         self._reserve(nbytes)
         self._pending.append((name, t))
         self._pending_bytes += nbytes
-        return {"shard": self._shard_name, "name": name}
+        # the writer thread adds the CRC32C of the bytes it writes (manifest written after it)
+        ref = self._refs[name] = {"shard": self._shard_name, "name": name}
+        return ref
 
     def _reserve(self, nbytes: int) -> None:
         """Wait until ``nbytes`` more fit in the host-memory bound (backpressure on the caller)."""
@@ -168,10 +171,10 @@ class TraceWriter:
         if not self._pending:
             return
         name = self._shard_name
-        job = (name, self._pending, self._pending_bytes)
+        job = (name, self._pending, self._pending_bytes, self._refs)
         self._shard_index += 1
         self._shard_name = fmt.shard_name(self._shard_index)
-        self._pending, self._pending_bytes = [], 0
+        self._pending, self._pending_bytes, self._refs = [], 0, {}
         if not self.background or inline:
             self._write_job(job)
             self._raise_if_failed()
@@ -194,15 +197,18 @@ class TraceWriter:
                 return
             self._write_job(job)
 
-    def _write_job(self, job: tuple[str, list[tuple[str, torch.Tensor]], int]) -> None:
-        name, tensors, nbytes = job
+    def _write_job(self, job: tuple[str, list[tuple[str, torch.Tensor]], int, dict]) -> None:
+        name, tensors, nbytes, refs = job
         try:
             if self._error is None:
                 path = self.dir / name
                 tmp = self.dir / f".{name}.tmp"
                 # fsync at close, once for all shards: a sync per shard would stall the pipeline
                 # on the device while the next shard waits (dd's conv=fsync does the same).
-                write_safetensors(tmp, tensors, fsync=False)
+                sums: dict[str, int] = {}
+                write_safetensors(tmp, tensors, fsync=False, checksums=sums)
+                for tensor_name, value in sums.items():
+                    refs[tensor_name]["crc32c"] = value
                 os.replace(tmp, path)
                 size = path.stat().st_size
                 with self._cond:

@@ -168,3 +168,23 @@ def test_manifest_has_the_shards_file_mode(tmp_path):
     w.close({"steps": 1})
     shard = next((tmp_path / "t").glob("shard-*.safetensors"))
     assert (tmp_path / "t" / "manifest.json").stat().st_mode & 0o777 == shard.stat().st_mode & 0o777
+
+
+def test_every_stored_tensor_carries_the_crc32c_of_its_bytes(tmp_path):
+    """The writer records each tensor's and sample's CRC32C as written; the reader checks them
+    the first time it reads a shard's data (a flipped byte is caught: tests/test_bad_inputs.py)."""
+    import crc32c
+
+    from driftcheck.store import TraceReader
+
+    w = TraceWriter(tmp_path / "t", shard_bytes=64)  # several shards
+    for i in range(5):
+        w.add({"key": f"0/forward/m{i}/0/output", "module": f"m{i}", "phase": "forward", "step": 0,
+               "call": 0, "slot": "output", "order": i, "shape": [4], "dtype": "float32", "stats": {}},
+              torch.arange(4.0) + i, sample=torch.tensor([float(i)]))
+    w.close({"steps": 1})
+    r = TraceReader(tmp_path / "t")
+    assert len(r.manifest["shards"]) > 1
+    for e in r.entries:
+        for which in ("tensor", "sample"):
+            assert e[which]["crc32c"] == crc32c.crc32c(r.tensor(e, which).numpy().tobytes())
