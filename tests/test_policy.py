@@ -209,3 +209,36 @@ def test_missing_files(tmp_path) -> None:
     with pytest.raises(DriftcheckError, match=r"no \[tool.driftcheck\] table"):
         Policy.load(pyproject)
     assert not os.path.exists(tmp_path / "driftcheck.toml")
+
+
+# -- fuzzing: any TOML-shaped table is a Policy or one clear DriftcheckError ---------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from driftcheck.errors import DriftcheckError  # noqa: E402
+
+_keys = st.sampled_from(["limit", "steps", "fail_on", "module", "overrides", "ignore", "glob",
+                         "kind", "phase", "reason", "x"])
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 10), st.floats(allow_nan=True),
+                  st.sampled_from(["view", "views", "batchnorm*", "0-1", "5-", "forward", "fwd", "*",
+                                   "lm_head*", "", "nonsense.kind", "a"]))
+_tables = st.recursive(_leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                      st.dictionaries(_keys, inner, max_size=4)),
+                       max_leaves=12)
+
+
+@settings(deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_keys, _tables, max_size=5))
+def test_fuzzed_policy_is_a_policy_or_one_clear_error(table):
+    try:
+        policy = Policy.from_mapping(table, source="fuzz.toml")
+    except DriftcheckError as e:
+        assert "\n" not in str(e) and str(e).startswith("fuzz.toml")
+        return
+    # what loads round-trips through the report's embedded form and checks against traces
+    again = Policy.from_dict(policy.to_dict())
+    assert again.limit == policy.limit and again.fail_on == policy.fail_on
+    try:
+        policy.check_traces({"", "fc1", "lm_head"}, {0, 1})
+    except DriftcheckError as e:
+        assert "\n" not in str(e)
