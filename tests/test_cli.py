@@ -229,6 +229,7 @@ def test_report_of_a_non_report_says_so_once(tmp_path, capsys):
     (["--target", "tpu"], "needs torch_tpu"),
     (["--target", "cpu", "--local", "--mode", "stats"], "--local needs full tensors"),
     (["--target", "cpu", "--steps", "0"], "--steps must be at least 1"),
+    (["--target", "cpu", "--target-dtype", "bf61"], "unsupported --target-dtype 'bf61'"),
 ])
 def test_run_refuses_before_recording_anything(tmp_path, capsys, extra, needle):
     """run checks its options and devices first: no reference recorded, no run directory made
@@ -282,3 +283,11 @@ def test_options_that_change_nothing_say_so(tmp_path, capsys):
     finally:
         torch.set_float32_matmul_precision("highest")  # the in-process record set it for good
     assert code == 0 and ("changes nothing" in err) == torch.equal(medium, a @ b)
+
+
+def test_run_knows_the_dtype_names_without_torch():
+    """record/run.py spells out the --dtype names to stay torch-free: they must be dtypes'."""
+    from driftcheck import dtypes
+    from driftcheck.record.run import DTYPE_NAMES
+
+    assert set(DTYPE_NAMES) == set(dtypes.CLI_DTYPES)

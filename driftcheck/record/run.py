@@ -18,6 +18,11 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.store import layout
 
 
+# The --dtype names (dtypes.CLI_DTYPES), spelled out so this process stays torch-free;
+# tests/test_cli.py keeps the two equal.
+DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64")
+
+
 @dataclasses.dataclass
 class Sides:
     """What ``driftcheck run`` records: one model, a reference and a target (and a truth)."""
@@ -88,7 +93,10 @@ def check(sides: Sides) -> None:
     """What can be known wrong before recording: option combinations and devices (torch's own
     opened here; tpu's package looked up without importing it). This process stays torch-free
     until it compares (a torch_tpu with a broken runtime would make ``import torch`` fail here):
-    the dtypes are checked by each record process."""
+    the dtype names are spelled out here (DTYPE_NAMES)."""
+    for flag, name in (("--reference-dtype", sides.reference_dtype), ("--target-dtype", sides.target_dtype)):
+        if name.lower() not in DTYPE_NAMES:
+            raise DriftcheckError(f"unsupported {flag} {name!r}: choose fp32, bf16, fp16 or fp64")
     if sides.local and sides.mode != "full":
         raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "
                               "or drop --local")
