@@ -46,7 +46,7 @@ DEFAULT_LIMIT = 3.5
 DEFAULT_FAIL_ON = ("batchnorm", "view", "inplace", "nonfinite", "alignment")
 FILE_NAME = "driftcheck.toml"
 
-_TOP_KEYS = {"limit", "steps", "fail_on", "module", "overrides", "ignore"}
+_TOP_KEYS = {"limit", "steps", "fail_on", "module", "overrides", "ignore", "min_entries"}
 _OVERRIDE_KEYS = {"glob", "phase", "limit"}
 _IGNORE_KEYS = {"glob", "kind", "phase", "steps", "reason"}
 
@@ -95,6 +95,7 @@ class Policy:
     ignores: list[IgnoreRule] = dataclasses.field(default_factory=list)
     fail_on: tuple[str, ...] | None = None  # None: the default kinds, severity "error" only
     steps: tuple[int, int | None] | None = None
+    min_entries: int = 1  # a gate that judged fewer entries judged nothing worth a verdict
     source: str | None = None  # the file it came from; None for the built-in default
 
     @classmethod
@@ -161,7 +162,12 @@ class Policy:
                 raise DriftcheckError(f"{where}: 'fail_on' must be a list of finding kinds, e.g. fail_on = [\"batchnorm\", \"view\"]")
             fail_on = tuple(_kind(k, where, "fail_on item") for k in fail_on)
         steps = _steps(data["steps"], where, "steps") if "steps" in data else None
-        return cls(limit=limit, overrides=overrides, ignores=ignores, fail_on=fail_on, steps=steps, source=source)
+        min_entries = data.get("min_entries", 1)
+        if type(min_entries) is not int or min_entries < 1:
+            raise DriftcheckError(f"{where}: 'min_entries' must be a whole number >= 1 (the fewest "
+                                  f"entries a verdict may rest on), got {min_entries!r}")
+        return cls(limit=limit, overrides=overrides, ignores=ignores, fail_on=fail_on, steps=steps,
+                   min_entries=min_entries, source=source)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Policy":
@@ -177,6 +183,8 @@ class Policy:
             table["fail_on"] = list(d.get("fail_on", []))
         if d.get("steps") is not None:
             table["steps"] = d["steps"]
+        if d.get("min_entries") is not None:
+            table["min_entries"] = d["min_entries"]
         policy = cls.from_mapping(table, source=d.get("source") or "<report policy>")
         policy.source = d.get("source")
         return policy
@@ -251,6 +259,7 @@ class Policy:
             "fail_on": list(self.fail_on if self.fail_on is not None else DEFAULT_FAIL_ON),
             "fail_on_explicit": self.fail_on is not None,
             "steps": _steps_text(self.steps),
+            **({"min_entries": self.min_entries} if self.min_entries != 1 else {}),
         }
 
     def _file(self) -> str:

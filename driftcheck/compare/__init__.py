@@ -109,6 +109,12 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
             entries.append(self._judge(r, t))
         if not entries:
             raise DriftcheckError(self._why_nothing_judged(tgt_map))
+        judged = sum(e.status != "ignored" for e in entries)
+        if judged < self.policy.min_entries:
+            raise DriftcheckError(f"the gate judged {judged} entr{'y' if judged == 1 else 'ies'} (ignore rules "
+                                  f"took {len(entries) - judged}), fewer than the policy's min_entries "
+                                  f"{self.policy.min_entries}: a verdict on so little is no gate; widen "
+                                  "what is recorded or judged, or lower min_entries")
         self._histograms(entries)
         self._trace_findings()
         self._nonfinite_findings(entries)
