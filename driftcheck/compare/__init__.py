@@ -21,7 +21,7 @@ from driftcheck.compare.scale import Scales
 from driftcheck.compare.verdict import Verdict
 from driftcheck.errors import DriftcheckError
 from driftcheck.policy import Policy
-from driftcheck.report import Entry, Finding, Report
+from driftcheck.report import IGNORED, Entry, Finding, Report
 from driftcheck.store import format as fmt
 from driftcheck.store.format import base_slot, is_local_slot
 from driftcheck.store.reader import TraceReader
@@ -108,8 +108,8 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
                 continue  # reported as alignment.missing_in_target; inherits nothing
             entries.append(self._judge(r, t))
         if not entries:
-            raise DriftcheckError(self._why_nothing_judged(tgt_map))
-        judged = sum(e.status != "ignored" for e in entries)
+            raise DriftcheckError(self._why_nothing_judged())
+        judged = sum(e.status != IGNORED for e in entries)
         if judged < self.policy.min_entries:
             raise DriftcheckError(f"the gate judged {judged} entr{'y' if judged == 1 else 'ies'} (ignore rules "
                                   f"took {len(entries) - judged}), fewer than the policy's min_entries "
@@ -121,12 +121,8 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
         self._precision_findings()
         return self._verdict(entries)
 
-
-    def _why_nothing_judged(self, tgt_map: dict) -> str:
-        steps = sorted({e.step for e in self.ref_entries})
-        if self.ref_entries and not any(self.policy.judges_step(s) for s in steps):
-            return (f"nothing to judge: the policy's steps {self.policy.to_dict()['steps']!r} select none of the "
-                    f"traces' steps ({', '.join(map(str, steps))}); fix 'steps' in the policy")
+    def _why_nothing_judged(self) -> str:
+        # (a policy's steps outside the traces were refused by check_traces already)
         if not self.ref_entries:
             return (f"nothing to judge: the reference {self.ref.dir} holds no entry; re-record it "
                     "with wider --phases/--include")
