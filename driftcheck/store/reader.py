@@ -54,6 +54,7 @@ class TraceReader:
         self.entries: list[dict[str, Any]] = self.manifest["entries"]
         self._maps: dict[str, MappedShard] = {}
         self._verified: set[str] = set()  # shards whose entries' checksums held
+        self._checksummed: dict[str, list[tuple[dict[str, Any], str]]] | None = None
         self._map_lock = threading.Lock()
         for shard in self.manifest["shards"]:
             self._shard_path(shard)  # refuse links/escapes up front
@@ -151,18 +152,22 @@ class TraceReader:
             return m
 
     def _verify(self, shard: str, m: MappedShard) -> None:
-        for e in self.entries:
-            for which in ("tensor", "sample"):
-                ref = e.get(which)
-                if ref is None or ref["shard"] != shard or "crc32c" not in ref:
-                    continue
-                _, _, begin, end = m.tensors[ref["name"]]
-                got = m.checksum(begin, end)
-                if got != ref["crc32c"]:
-                    raise TraceError(
-                        f"shard {self.dir / shard}: the bytes of entry {e['key']} ({which}) fail "
-                        f"their checksum (crc32c {got:08x}, the manifest says {ref['crc32c']:08x}): "
-                        "the file changed after it was written; the trace is corrupt, re-record it")
+        if self._checksummed is None:  # shard -> (entry, which) with a checksum, made once
+            self._checksummed = {}
+            for e in self.entries:
+                for which in ("tensor", "sample"):
+                    ref = e.get(which)
+                    if ref is not None and "crc32c" in ref:
+                        self._checksummed.setdefault(ref["shard"], []).append((e, which))
+        for e, which in self._checksummed.get(shard, ()):
+            ref = e[which]
+            _, _, begin, end = m.tensors[ref["name"]]
+            got = m.checksum(begin, end)
+            if got != ref["crc32c"]:
+                raise TraceError(
+                    f"shard {self.dir / shard}: the bytes of entry {e['key']} ({which}) fail "
+                    f"their checksum (crc32c {got:08x}, the manifest says {ref['crc32c']:08x}): "
+                    "the file changed after it was written; the trace is corrupt, re-record it")
 
     def read_replay(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return read_replay(self.dir)
