@@ -157,7 +157,7 @@ class TraceReader:
             for e in self.entries:
                 for which in ("tensor", "sample"):
                     ref = e.get(which)
-                    if ref is not None and "crc32c" in ref:
+                    if ref is not None and ref.get("crc32c") is not None:
                         self._checksummed.setdefault(ref["shard"], []).append((e, which))
         for e, which in self._checksummed.get(shard, ()):
             ref = e[which]

@@ -188,3 +188,21 @@ def test_every_stored_tensor_carries_the_crc32c_of_its_bytes(tmp_path):
     for e in r.entries:
         for which in ("tensor", "sample"):
             assert e[which]["crc32c"] == crc32c.crc32c(r.tensor(e, which).numpy().tobytes())
+
+
+def test_a_null_checksum_means_no_checksum(tmp_path):
+    """Found by the manifest fuzzer: "crc32c": null passed validation and then broke the check."""
+    import json
+
+    from driftcheck.store import TraceReader
+
+    w = TraceWriter(tmp_path / "t")
+    w.add({"key": "0/forward/a/0/output", "module": "a", "phase": "forward", "step": 0, "call": 0,
+           "slot": "output", "order": 0, "shape": [3], "dtype": "float32", "stats": {}}, torch.ones(3))
+    w.close({"steps": 1})
+    path = tmp_path / "t" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["entries"][0]["tensor"]["crc32c"] = None
+    path.write_text(json.dumps(m))
+    r = TraceReader(tmp_path / "t")
+    assert torch.equal(r.tensor(r.entries[0]), torch.ones(3))
