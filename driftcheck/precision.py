@@ -196,6 +196,19 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
     return settings
 
 
+def cpu_matmul_precision_has_effect(level: str) -> bool:
+    """Whether ``torch.set_float32_matmul_precision(level)`` (already applied) changes a CPU
+    float32 matmul here: some builds use bf16 passes on CPUs that have them, most change nothing."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 64, generator=g)
+    got = a @ b
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return not torch.equal(got, a @ b)
+    finally:
+        torch.set_float32_matmul_precision(level)
+
+
 def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None = None,
                    deterministic: bool | None = None, threads: int | None = None,
                    allow_tf32_cudnn: bool | None = None) -> dict[str, Any]:

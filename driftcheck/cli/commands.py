@@ -117,7 +117,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
         from driftcheck import precision
 
         precision.apply_settings(matmul_precision=matmul_precision)
-        if torch_device.type == "cpu" and not _matmul_precision_matters(matmul_precision):
+        if torch_device.type == "cpu" and not precision.cpu_matmul_precision_has_effect(matmul_precision):
             click.echo(f"driftcheck: warning: --matmul-precision {matmul_precision} changes nothing in "
                        "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
                        "effect on CUDA (TF32) and under torch_tpu", err=True)
@@ -151,21 +151,6 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             click.echo(f"finding {kind} in {module or '(model)'} ({n} call(s)); driftcheck compare shows it")
 
 
-
-
-def _matmul_precision_matters(level: str) -> bool:
-    """Whether ``torch.set_float32_matmul_precision(level)`` (already applied) changes a CPU
-    float32 matmul here: some builds use bf16 passes on CPUs that have them, most change nothing."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 64, generator=g)
-    got = a @ b
-    torch.set_float32_matmul_precision("highest")
-    try:
-        return not torch.equal(got, a @ b)
-    finally:
-        torch.set_float32_matmul_precision(level)
 
 
 @cli.command()
