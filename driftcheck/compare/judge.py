@@ -97,8 +97,18 @@ class Judging:
                     extra_rms = max(extra_rms, 2.0 * max(upd_rms, t_rms))
                     extra_max = max(extra_max, 2.0 * max(upd_max, t_max))
                     details["gradient_below_noise"] = rel_g
+        logits = self._logit_max(r)
+        if logits > 1.0:
+            # exp turns a logit's rounding u|x| into a relative error u|x| of its weight
+            extra_rms += u * logits * scale_rms
+            extra_max += u * logits * scale_max
         tiny = max(dtypes.tiny(r.dtype), dtypes.tiny(t.dtype))
-        k = meta.get("k") or (self._grad_terms(r) if r.phase == "grads" else None)
+        if r.phase == "grads":
+            k = meta.get("k") or self._grad_terms(r)
+        elif r.phase == "backward" and r.slot.startswith("grad_output"):
+            k = None  # made by the code that consumed the output, not by this module
+        else:
+            k = meta.get("k")
         fi = fl.FloorInputs(u=u, u_acc=u_acc, k=k, scale_rms=scale_rms,
                             scale_max=scale_max, inherited_rms=inh_rms, inherited_max=inh_max,
                             extra_rms=extra_rms, extra_max=extra_max, tiny=tiny)
@@ -143,6 +153,8 @@ class Judging:
         details["floor"] = {"rms": f.rms, "max": f.max, "local_rms": f.local_rms,
                             "inherited_rms": f.inherited_rms, "u": u, "k": k,
                             "scale_rms": scale_rms, "inherited_rel": inh_rms}
+        if logits > 1.0:
+            details["floor"]["softmax_logit_max"] = logits
         details["inherits_from"] = [d.key for d in deps][:8]
         if m.get("nonfinite_new", 0) > 0:
             status = NONFINITE
@@ -157,6 +169,14 @@ class Judging:
         return Entry(**base, metrics=m, floor=f.rms, ratio=ratio, status=status,
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
                      rule=ignore or rule, details=details)
+
+    def _logit_max(self, r: TraceEntry) -> float:
+        """The largest softmax logit with weight that this module call's own code computed (its
+        outputs and input gradients go through that softmax); 0 for anything else."""
+        if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
+            return 0.0
+        outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+        return max((float(e.meta.get("logit_absmax") or 0.0) for e in outs), default=0.0)
 
     def _judge_integer(self, r: TraceEntry, m: dict[str, Any], base: dict[str, Any],
                        details: dict[str, Any], ignore: str | None) -> Entry:
@@ -186,13 +206,28 @@ class Judging:
         le = self.local_map.get(r.align)
         if le is None or list(le.shape) != list(r.shape) or not dtypes.is_float(le.dtype):
             return None
-        m = self._measure_between(self.ref, r, self.tgt, le).metrics
+        measured = self._measure_between(self.ref, r, self.tgt, le)
+        m = measured.metrics
         f = fl.floor(dataclasses.replace(fi, inherited_rms=0.0, inherited_max=0.0))
         ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
+        flips = None
+        if ratio > 1.0 and r.phase == "backward" and r.slot.startswith(("grad_input", "grad_output")) \
+                and measured.how in ("full", "sample"):
+            # The replay rounds the reference's input to the target's dtype: a kink's or a
+            # selection's gradient flips where that carried an element across (or into a tie).
+            judged = self._kink_flips(r, le, m, f.max, "tensor" if measured.how == "full"
+                                      else "sample", local=True)
+            if judged is not m:
+                flips = judged["kink_flips"]
+                ratio = math.inf if flips["unexplained"] else \
+                    f.ratio(judged.get("rms", 0.0), judged.get("max_abs", 0.0))
         status = NONFINITE if m.get("nonfinite_new", 0) > 0 else (DRIFT if ratio > limit else OK)
-        return {"ratio": ratio, "status": status, "floor": f.rms, "floor_max": f.max,
-                "rms": m.get("rms"), "max_abs": m.get("max_abs"),
-                "nonfinite_new": m.get("nonfinite_new", 0), "key": le.key}
+        out = {"ratio": ratio, "status": status, "floor": f.rms, "floor_max": f.max,
+               "rms": m.get("rms"), "max_abs": m.get("max_abs"),
+               "nonfinite_new": m.get("nonfinite_new", 0), "key": le.key}
+        if flips is not None:
+            out["kink_flips"] = flips
+        return out
 
     def _truth_judgement(self, r: TraceEntry, t: TraceEntry, fi: fl.FloorInputs,
                          limit: float) -> dict[str, Any] | None:

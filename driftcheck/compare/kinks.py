@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from driftcheck import dtypes
 from driftcheck import metrics as mx
 from driftcheck.compare.entries import TraceEntry
 
@@ -17,11 +18,20 @@ KINK_NEAR = 16  # smallest sample magnitudes the density of a tensor near zero i
 
 
 
-def crossing(xr: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
-    """Where a kink's input may have crossed zero between two runs: its sign differs, or it is
-    within twice its own error of zero."""
+def crossing(xr: torch.Tensor, xt: torch.Tensor, kinks: list[float] | tuple[float, ...] = (0.0,)
+             ) -> torch.Tensor:
+    """Where a kink's input may have crossed it between two runs: its side of the kink differs,
+    or it is within twice its own error of the kink (a ReLU's at 0, a hard-swish's at +-3)."""
     xr64, xt64 = xr.double(), xt.double()
-    return (xr64.abs() <= 2 * (xt64 - xr64).abs()) | (torch.sign(xr64) != torch.sign(xt64))
+    near = 2 * (xt64 - xr64).abs()
+    out = torch.zeros(xr64.shape, dtype=torch.bool, device=xr64.device)
+    for c in kinks:
+        dr, dt = xr64 - c, xt64 - c
+        out |= (dr.abs() <= near) | (torch.sign(dr) != torch.sign(dt))
+    return out
+
+
+SELECTION_SHARE = 0.01  # a selecting op's gradient: at most this share of elements may move
 
 
 class Kinks:
@@ -35,7 +45,7 @@ class Kinks:
         return self.ref_index.by_align.get(a), self.tgt_map.get(a)
 
     def _kink_flips(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], floor_max: float,
-                    which: str = "tensor") -> dict[str, Any]:
+                    which: str = "tensor", local: bool = False) -> dict[str, Any]:
         """Gradients through ReLU-like kinks (relu, max-pool, clamp) switch on or off where the
         forward input crossed the kink within its own error: such positions are one side exactly
         zero, the other not; through a kink that changes the slope (LeakyReLU), they differ by
@@ -45,24 +55,42 @@ class Kinks:
 
         ``which="sample"``: the same on the stats-mode samples (the same positions on both
         runs). The forward input's sample holds other positions (samples are drawn per key)
-        unless both cover their whole tensor, so the count is otherwise judged without it."""
+        unless both cover their whole tensor, so the count is otherwise judged without it.
+
+        The kinks are the module's (its forward entry's ``kinks``; 0 by default). An op that
+        selects (max pooling) moves a gradient to another element of a window where two tied
+        within rounding: such elements may differ by any amount, up to SELECTION_SHARE of them.
+        ``local``: ``t`` is the target's local replay, whose forward input is the reference's
+        rounded to the target's dtype."""
         rt, tt = self.ref.tensor(r.raw, which), self.tgt.tensor(t.raw, which)
         if rt is None or tt is None or rt.shape != tt.shape:
             return m
         xr_e, xt_e = self._forward_of(r)
+        fmeta = xr_e.meta if xr_e is not None else {}
+        out_e = self.ref_index.fwd_out.get((r.step, r.module, r.call), [None])[0]
+        ometa = out_e.meta if out_e is not None else {}
+        kinks = ometa.get("kinks") or fmeta.get("kinks") or (0.0,)
+        selection = bool(ometa.get("selection") or fmeta.get("selection"))
         cross = None
         whole = which == "tensor" or r.stats.get("numel") == rt.numel() == (
             xr_e.stats.get("numel") if xr_e is not None else None)  # a sample that is the whole tensor
-        if xr_e is not None and xt_e is not None and whole:
-            xr, xt = self.ref.tensor(xr_e.raw, which), self.tgt.tensor(xt_e.raw, which)
+        if xr_e is not None and (xt_e is not None or local) and whole and not selection:
+            xr = self.ref.tensor(xr_e.raw, which)
+            if local and xr is not None:
+                xt = xr.to(dtypes.torch_dtype(t.dtype)) if dtypes.is_float(t.dtype) else xr
+            else:
+                xt = self.tgt.tensor(xt_e.raw, which) if xt_e is not None else None
             if xr is not None and xt is not None and xr.shape == rt.shape == xt.shape:
-                cross = crossing(xr, xt)
+                cross = crossing(xr, xt, kinks)
+        diff = (rt.double() - tt.double()).abs()
         big = torch.maximum(rt.double().abs(), tt.double().abs()) > floor_max
         flip = ((rt == 0) ^ (tt == 0)) & big
+        if selection:
+            flip |= diff > floor_max
         if cross is not None:
             # A kink that only changes the slope (LeakyReLU, a clamp's other side): the
             # gradient differs by more than the floor, at an input that crossed the kink.
-            flip |= cross & ((rt.double() - tt.double()).abs() > floor_max)
+            flip |= cross & (diff > floor_max)
         n = int(flip.sum())
         if n == 0:
             return m
@@ -71,7 +99,8 @@ class Kinks:
             if int(keep.sum()) else {"rms": 0.0, "max_abs": 0.0}
         crossings = int(cross.sum()) if cross is not None else None
         # Without the forward input, allow what rounding near zero typically produces.
-        allowed = 2 * crossings + 4 if crossings is not None else max(4, int(0.01 * rt.numel()))
+        allowed = 2 * crossings + 4 if crossings is not None else \
+            max(4, int(SELECTION_SHARE * rt.numel()))
         out = dict(out)
         out["kink_flips"] = {"count": n, "allowed": allowed, "forward_crossings": crossings,
                              "unexplained": n > allowed}

@@ -44,6 +44,8 @@ class Scales:
             mu = self.errors.get(g.align, NONE).mu
             sq = slot.endswith(("exp_avg_sq", "square_avg", "sum", "max_exp_avg_sq"))
             return rms_of(r.stats) * (mu * mu if sq else mu)
+        if ph in ("optimizer", "params") and slot.endswith("running_mean"):
+            return self._running_mean_magnitude(r)
         if ph != "grads":
             return 0.0
         g2 = x2 = g_n = 0.0
@@ -69,6 +71,25 @@ class Scales:
         if len(r.shape) == 1 and out_ch == r.shape[0]:
             return math.sqrt(g2 / numel)  # a bias (or a norm's per-channel parameter)
         return 0.0
+
+    def _running_mean_magnitude(self, r: TraceEntry) -> float:
+        """A BatchNorm's running mean adds momentum x the batch mean of its input each call:
+        where that mean cancels (a normalized input through a bias-free convolution: ~1e-9 of
+        its rms) rounding and inherited error scale with the terms summed, not with their sum.
+        The params entry of step s is the running mean after step s-1: that step's calls."""
+        s, ph, m, _, _ = r.align
+        step = s - 1 if ph == "params" else s
+        x2 = n = 0.0
+        momentum = 0.0
+        for c in self.ref_index.calls.get((step, m), ()):
+            outs = self.ref_index.fwd_out.get((step, m, c), [])
+            if not outs or outs[0].meta.get("kind") != "batchnorm":
+                continue
+            momentum = max(momentum, float(outs[0].meta.get("momentum", 0.1) or 0.0))
+            for e in self.ref_index.fwd_in.get((step, m, c), [])[:1]:
+                x2 += (e.stats.get("l2") or 0.0) ** 2
+                n += e.stats.get("numel") or 0
+        return momentum * math.sqrt(x2 / n) if n else 0.0
 
     def _grad_terms(self, r: TraceEntry) -> int | None:
         """How many terms each element of a parameter gradient sums (K of its accumulation):
@@ -112,6 +133,15 @@ class Scales:
     def _u(self, r: TraceEntry, t: TraceEntry) -> tuple[float, float]:
         """(u, u_acc) for this entry: the coarser side, matmul precision where it applies."""
         u = max(dtypes.unit_roundoff(r.dtype), dtypes.unit_roundoff(t.dtype))
+        if r.phase in ("forward", "backward") and not (r.phase == "forward"
+                                                       and r.slot.startswith("input")):
+            # A module computes in the lowest precision among its inputs (a gate in bf16 beside
+            # an fp32 hidden state): its outputs and input gradients carry that rounding.
+            for e in self.ref_index.fwd_in.get((r.step, r.module, r.call), ()):
+                te = self.tgt_map.get(e.align)
+                for d in (e.dtype, te.dtype if te is not None else e.dtype):
+                    if dtypes.is_float(d):
+                        u = max(u, dtypes.unit_roundoff(d))
         kind = r.meta.get("kind")
         if r.phase in ("forward", "backward", "loss") and (kind in MATMUL_KINDS or r.phase == "loss"):
             for run, e in ((self.ref.run, r), (self.tgt.run, t)):

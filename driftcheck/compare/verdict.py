@@ -31,6 +31,10 @@ class Verdict:
         if failing or gate_findings:
             verdict = "fail"
             parts = []
+            cause = _semantic_cause(gate_findings, first)
+            if cause is not None:
+                parts.append(f"{cause.kind} in {cause.module or '(model)'} step {cause.step}: "
+                             f"{cause.message}")
             if first is not None:
                 parts.append(_decisive(first))
             if gate_findings:
@@ -57,6 +61,16 @@ class Verdict:
             if first.local_ratio is not None:
                 fd["local_ratio"] = first.local_ratio
             fd["blame_module"] = self._blame_module(first)
+        cause = _semantic_cause(gate_findings, first)
+        if cause is not None:
+            # A finding names a defect for certain; drift only where the numbers part (a
+            # running statistic never written drifts wherever it is next read).
+            fd = {"key": fd["key"] if fd else "", "module": cause.module,
+                  "phase": cause.phase or (fd or {}).get("phase") or "forward",
+                  "step": cause.step if cause.step is not None else (fd or {}).get("step", 0),
+                  "call": 0, "slot": cause.kind, "ratio": None, "status": "finding",
+                  "finding": cause.kind, "where": cause.message, "blame_module": cause.module,
+                  **({"drift": fd} if fd else {})}
         return Report(verdict=verdict, reference=self.ref.run, target=self.tgt.run,
                       first_divergence=fd, entries=entries, findings=self.findings, limit=limit,
                       decided_by=decided_by, warnings=self.warnings,
@@ -84,6 +98,19 @@ class Verdict:
         if e.phase == "forward" and e.slot.startswith("input") and parent is not None:
             return parent[1]
         return e.module
+
+
+SEMANTIC = ("batchnorm.", "view.", "inplace.")  # findings that name a defect, not a drift
+
+
+def _semantic_cause(findings: list, first: Entry | None):
+    """The gate-failing semantic finding that explains the failure: the first one at or before
+    the first divergence's step (a defect there makes every later number suspect)."""
+    for f in sorted((f for f in findings if f.kind.startswith(SEMANTIC)),
+                    key=lambda f: f.step if f.step is not None else -1):
+        if first is None or f.step is None or f.step <= first.step:
+            return f
+    return None
 
 
 def _ignored_words(entries: list[Entry], findings: list) -> str:

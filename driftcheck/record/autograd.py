@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from driftcheck.record.meta import floating
+from driftcheck.record.meta import backward_meta, floating
 
 
 class BackwardHooks:
@@ -20,7 +20,7 @@ class BackwardHooks:
 
     def _hook_backward(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]],
                        ctx: dict[str, Any]) -> None:
-        bctx = {"parent": ctx["parent"], "module_type": ctx["module_type"], "kind": ctx["kind"]}
+        bctx = backward_meta(ctx)
         for slot, t in outputs:
             if t.requires_grad and floating(t) and t.grad_fn is not None:
                 gslot = "grad_" + slot

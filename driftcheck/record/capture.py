@@ -159,6 +159,8 @@ class Capturing:
             at += n
             if k == "mag_sq":
                 pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
+            elif k == "logit_absmax":
+                pending[i].entry.setdefault("meta", {})[k] = float(v[0])
             else:  # kink_profile: counts
                 pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
         for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):

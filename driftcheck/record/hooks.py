@@ -11,7 +11,7 @@ from torch import nn
 
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
-from driftcheck.record.meta import KINK_MODULES, floating, is_leaf, kink_profile, magnitude_sq, static_meta
+from driftcheck.record.meta import KINK_MODULES, backward_meta, floating, is_leaf, kink_profile, magnitude_sq, static_meta
 
 
 class ForwardHooks:
@@ -83,6 +83,9 @@ class ForwardHooks:
                         mag = None  # a layer shape it does not know: the floor goes without
                 if mag is not None:
                     dev_meta = {"mag_sq": mag}
+            logits = self._logits.pop((name_, call), None)
+            if logits is not None:
+                dev_meta = dict(dev_meta or {}, logit_absmax=logits)
             if self._capturing("forward"):
                 for i, (slot, t) in enumerate(outputs):
                     self._capture(name, "forward", call, slot, t, extra=ctx,
@@ -112,7 +115,7 @@ class ForwardHooks:
                     if id(p) in self.param_owner else None)
         finally:
             self._replaying = False
-        bctx = {k: ctx[k] for k in ("parent", "module_type", "kind") if k in ctx}
+        bctx = backward_meta(ctx)
         order = self._order  # local entries must not shift the order numbers of the real ones
         for phase, slot, t in results:
             self._capture(name, phase, call, slot, t, extra=ctx if phase == "forward" else bctx,

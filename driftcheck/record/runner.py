@@ -264,7 +264,8 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
         dropout.set_step(step)
         batch = cast_batch(raw, device, dtype)
         with dropout, _autocast(device, autocast):
-            with _user_code(name, "the forward", step):
+            with _user_code(name, "the forward", step), \
+                    tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
                 output = call_model(model, batch)
             with _user_code(name, "loss(output, batch)", step):
                 loss = scenario.loss(output, batch) if scenario.loss else None

@@ -29,6 +29,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
+from driftcheck.record.meta import LogitWatch
 from driftcheck.record.metadata import run_metadata
 from driftcheck.store import format as fmt
 from driftcheck.store.writer import TraceWriter
@@ -117,6 +118,18 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
             extra["tied_params"] = self.tied_params
         return extra
 
+    def logit_watch(self) -> LogitWatch:
+        """A torch function mode to run the forward under: the largest softmax logit of each
+        module call goes into its output's meta (``logit_absmax``, a floor input)."""
+        return LogitWatch(self._on_logits)
+
+    def _on_logits(self, absmax: torch.Tensor) -> None:
+        if self._replaying or not self._stack or not self._active:
+            return
+        key = self._stack[-1]
+        prev = self._logits.get(key)
+        self._logits[key] = absmax if prev is None else torch.maximum(prev, absmax)
+
     @property
     def current_module(self) -> str:
         """The module path running now (for the view audit); "" outside any module."""
@@ -181,6 +194,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._grads: dict[int, torch.Tensor] = {}
         self._updated = False
         self._bn_before: dict[tuple[str, int], Any] = {}
+        self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
         self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
@@ -277,7 +291,8 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
     with writer:
         tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, **kwargs).attach()
         try:
-            yield tracer
+            with tracer.logit_watch():
+                yield tracer
         finally:
             tracer._active = False
             tracer.detach()

@@ -42,7 +42,8 @@ def render_markdown(report: Report) -> str:
         local = f" (local {md(fmt(fd['local_ratio']))})" if fd.get("local_ratio") is not None else ""
         lines.append(f"**First divergence:** {md(fd.get('module') or '(model)')} · {md(fd.get('phase', ''))} · "
                      f"step {md(fd.get('step'))}" + (f" · {md(fd['slot'])}" if fd.get("slot") else "")
-                     + f" — ratio {md(fmt(fd.get('ratio')))}{local}")
+                     + (f" — {md(fd.get('where', ''))}" if fd.get("status") == "finding"
+                        else f" — ratio {md(fmt(fd.get('ratio')))}{local}"))
     else:
         lines.append("**First divergence:** none")
     top = worst(report.entries, WORST)

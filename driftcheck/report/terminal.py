@@ -33,6 +33,7 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
     fd = report.first_divergence
     if fd:
         number = ("NaN/Inf the reference lacks" if fd.get("status") == "nonfinite" else
+                  "a finding that fails the gate" if fd.get("status") == "finding" else
                   f"local ratio {_ratio(fd['local_ratio'])}, propagated {_ratio(fd.get('ratio'))}"
                   if fd.get("local_ratio") is not None else f"ratio {_ratio(fd.get('ratio'))}")
         console.print(f"first divergence: [bold]{escape(fd['module'] or '(model)')}[/] step "

@@ -1,0 +1,264 @@
+"""The floor classes the third-party corpus (bench/zoo.py) exposed: each is a clean run that
+failed, built from the smallest model code that shows it, and the defect it must still catch.
+
+fp32 reference against a clean bf16 target (with the local replay) or an fp32 target with
+another thread count: every clean control must pass; a scaled module output must still fail.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from driftcheck import Scenario
+from driftcheck.compare import compare
+from driftcheck.faults import scale_output
+from driftcheck.record.runner import record
+
+
+def _scenario(model_fn, shape, loss=None, steps: int = 2, seed: int = 0, ints: int | None = None) -> Scenario:
+    torch.manual_seed(seed)
+    model = model_fn()
+    g = torch.Generator().manual_seed(seed + 1)
+    if ints:
+        inputs = [torch.randint(0, ints, shape, generator=g) for _ in range(steps)]
+    else:
+        inputs = [torch.randn(shape, generator=g) for _ in range(steps)]
+    return Scenario(model=model, inputs=inputs,
+                    loss=loss or (lambda out, b: out.float().pow(2).mean()),
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), steps=steps)
+
+
+def _pair(tmp_path, make, *, dtype="bf16", threads=None, local=True, mode="full", hooks=None):
+    ref = tmp_path / "ref"
+    tgt = tmp_path / ("tgt" + (mode if mode != "full" else ""))
+    before = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads[0])
+        if not ref.exists():
+            record(make(), ref, force=True)
+        if threads:
+            torch.set_num_threads(threads[1])
+        record(make(), tgt, dtype="fp32" if threads else dtype, replay=ref, force=True,
+               local=ref if local else None, mode=mode, target_hooks=hooks)
+    finally:
+        torch.set_num_threads(before)
+    return compare(ref, tgt)
+
+
+def _worst(rep):
+    bad = [e for e in rep.entries if e.status != "ok"]
+    return sorted(bad, key=lambda e: -(e.ratio or 0))[:3]
+
+
+# -- selection: max pooling's arg-max flips under rounding, as a ReLU's kink does ------------------
+def _pool_net():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(16, 8, 3),
+                         nn.AdaptiveMaxPool2d(2), nn.Flatten(), nn.Linear(32, 4))
+
+
+def test_max_pool_selection_flips_under_local_replay_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_pool_net, (8, 3, 32, 32)))
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_max_pool_wrong_selection_is_caught(tmp_path):
+    """A pool that picks the minimum of each window: every window flips, not a few."""
+    def wrong(model):
+        pool = model[1]
+        pool.forward = lambda x: -F.max_pool2d(-x, 2)
+    rep = _pair(tmp_path, lambda: _scenario(_pool_net, (8, 3, 32, 32)), dtype="fp32", local=False,
+                hooks=wrong)
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "1"
+
+
+# -- piecewise activations: kinks at +-3 ---------------------------------------------------------
+class _HardNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.act = nn.Hardswish()
+        self.b = nn.Linear(256, 256)
+        self.gate = nn.Hardsigmoid()
+        self.c = nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = self.act(self.a(x) * 4)  # many inputs near +-3
+        return self.c(h * self.gate(self.b(h) * 4))
+
+
+def test_hard_swish_kinks_under_local_replay_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_HardNet, (64, 64)))
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_hard_swish_fault_still_caught(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_HardNet, (64, 64)), hooks=scale_output("act", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "act"
+
+
+# -- statistics that are pure cancellation -------------------------------------------------------
+class _BnCancel(nn.Module):
+    """A BatchNorm output (zero mean per channel) through a bias-free 1x1 convolution: the
+    next BatchNorm's batch mean is ~1e-9 of what it sums."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn0 = nn.BatchNorm2d(16, affine=False)
+        self.c1 = nn.Conv2d(16, 16, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.bn1(self.c1(self.bn0(self.c0(x))))
+        return self.head(h.mean((2, 3)))
+
+
+def test_cancelled_running_mean_bf16_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_BnCancel, (4, 3, 16, 16)), local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_cancelled_running_mean_threads_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_BnCancel, (4, 3, 16, 16)), threads=(1, 2), local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a reduction length in every layout: a 1x1 convolution's input gradient ----------------------
+class _Wide1x1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(4, 256, 3, padding=1)
+        self.c1 = nn.Conv2d(256, 512, 1)
+        self.c2 = nn.Conv2d(512, 8, 1)
+
+    def forward(self, x):
+        return self.c2(torch.tanh(self.c1(torch.tanh(self.c0(x)))))
+
+
+def test_conv_input_gradient_has_its_reduction_length(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_Wide1x1, (4, 4, 16, 16)), threads=(1, 2), local=False)
+    k = {e.slot: (e.details.get("floor") or {}).get("k") for e in rep.entries
+         if e.module == "c2" and e.phase == "backward" and e.step == 0}
+    assert k.get("grad_input.0") == 8  # out_channels x 1x1 kernel
+    k1 = {e.slot: (e.details.get("floor") or {}).get("k") for e in rep.entries
+          if e.module == "c1" and e.phase == "backward" and e.step == 0}
+    assert k1.get("grad_input.0") == 512
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- softmax over large logits -------------------------------------------------------------------
+class _SharpAttention(nn.Module):
+    def __init__(self, d=32, sharp=60.0):
+        super().__init__()
+        self.qk = nn.Linear(d, 2 * d)
+        self.v = nn.Linear(d, d)
+        self.sharp = sharp
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        q = F.normalize(q, dim=-1) * self.sharp
+        k = F.normalize(k, dim=-1) * 3
+        att = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return att @ self.v(x)
+
+
+class _SharpNet(nn.Module):
+    def __init__(self, sdpa=False):
+        super().__init__()
+        self.att = _SharpSdpa() if sdpa else _SharpAttention()
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(self.att(x))
+
+
+class _SharpSdpa(_SharpAttention):
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        q = F.normalize(q, dim=-1) * self.sharp * 32 ** 0.5
+        k = F.normalize(k, dim=-1) * 3
+        return F.scaled_dot_product_attention(q[None], k[None], self.v(x)[None])[0]
+
+
+def test_softmax_over_large_logits_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_SharpNet, (4, 64, 32)), local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    e = next(e for e in rep.entries if e.module == "att" and e.phase == "forward"
+             and e.slot == "output" and e.step == 0)
+    assert e.details["floor"]["softmax_logit_max"] > 100
+
+
+def test_sdpa_over_large_logits_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(lambda: _SharpNet(sdpa=True), (4, 64, 32)), local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_sharp_attention_fault_still_caught(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_SharpNet, (4, 64, 32)), dtype="fp32", local=False,
+                hooks=scale_output("att", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "att"
+
+
+# -- mixed precision inside one module under local replay ----------------------------------------
+class _GatedNorm(nn.Module):
+    """A gated RMSNorm as state-space models write it: the hidden input upcast to fp32 by the
+    code before it, the gate left in the run's dtype."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, h, gate):
+        h = h * F.silu(gate.float())
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h
+
+
+class _GatedNet(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * d)
+        self.norm = _GatedNorm(d)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h, gate = self.inp(x).chunk(2, -1)
+        return self.out(self.norm(h.float(), gate).to(self.out.weight.dtype))
+
+
+def test_mixed_precision_module_under_local_replay_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_GatedNet, (16, 64)))
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    e = next(e for e in rep.entries if e.module == "norm" and e.phase == "forward"
+             and e.slot == "output" and e.step == 0)
+    assert e.details["ref_dtype"] == e.details["tgt_dtype"] == "float32"
+    assert e.details["floor"]["u"] == 2.0 ** -8  # the gate's bf16, not the output's fp32
+
+
+# -- localization: a finding that explains the failure is its cause -----------------------------
+class _BnNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_batchnorm_bug_is_blamed_on_the_module_the_finding_names(tmp_path):
+    ref, tgt = tmp_path / "ref", tmp_path / "tgt"
+    record(_scenario(_BnNet, (4, 3, 8, 8), steps=3), ref, force=True)
+    record(_scenario(_BnNet, (4, 3, 8, 8), steps=3), tgt, replay=ref, force=True,
+           simulate="skip-bn-stats")
+    rep = compare(ref, tgt)
+    assert rep.verdict == "fail"
+    kinds = {(f.kind, f.module) for f in rep.findings if f.gate == "fails gate"}
+    assert ("batchnorm.running_stats_not_updated", "bn") in kinds
+    fd = rep.first_divergence
+    assert fd["module"] == "bn" and fd["finding"] == "batchnorm.running_stats_not_updated"
+    assert rep.decided_by.startswith("batchnorm.running_stats_not_updated in bn step 0")
