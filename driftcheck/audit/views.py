@@ -2,26 +2,30 @@
 
 On a correct backend a view shares its base's storage and a write through it reaches the base.
 ``ViewAudit`` records, per aten call, whether that held (storage identity, ``_base``), the layout
-(sizes, strides, storage offset) and a cheap fingerprint of the written base's values; run it on
-the reference and on the target, then ``compare_events`` aligns the two logs per step and module
-and names what the target got wrong:
+(sizes, strides, storage offset; for views also the input's layout and the op's non-tensor
+arguments) and a cheap fingerprint of the written base's values before and after the write; run
+it on the reference and on the target, then ``compare_events`` pairs each event per step and
+module with the same observable event of the other run (events a backend's other lowering of
+an op adds, drops or reorders have none, and are not judged) and names what the target got wrong:
 
 - ``view.alias_lost``: the target made a copy where the reference made a view;
 - ``inplace.base_not_updated``: a write through a view did not reach its base on the target;
-- ``inplace.value_mismatch``: after a write through a view, the base's values differ beyond
-  tolerance although both sides aliased;
-- ``view.layout_mismatch``: sizes, strides or offset of a view differ although its input's did not.
+- ``inplace.value_mismatch``: a write through a view left the base with other values although
+  both sides aliased and the bases agreed before it (exactly for integer and bool tensors);
+- ``view.layout_mismatch``: the same view op, on an input of the same layout, with the same
+  arguments and output sizes, gave other strides or another offset.
 
-Cost: host-side storage checks per op, plus O(numel) float reductions of the base for writes
-through views only, kept on the device (no sync) until ``events()`` is read. Active only inside
-``with ViewAudit(...):``; ``paused()`` excludes the tracer's own captures.
+Cost: host-side storage checks per op, plus O(numel) reductions of the base for writes through
+views only (float64, or exact int64 for integer/bool tensors), kept on the device (no sync) until
+``events()`` is read. Active only inside ``with ViewAudit(...):``; ``paused()`` excludes the
+tracer's own captures.
 """
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import math
+from collections import Counter, defaultdict, deque
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,6 +37,7 @@ from driftcheck.report import Finding
 __all__ = ["ViewAudit", "compare_events"]
 
 _WEIGHT_PERIOD = 251  # checksum weights 1 + (i mod 251)/251: position-sensitive, never zero
+_FINGERPRINT = ("sum", "abs_sum", "checksum", "checksum_scale")
 
 
 class ViewAudit(TorchDispatchMode):
@@ -71,11 +76,12 @@ class ViewAudit(TorchDispatchMode):
         """The recorded events, in execution order, as plain JSON-ready dicts."""
         for event, before, after in self._pending:  # one host transfer per event, done late
             if after is not None:
-                values = after.to("cpu", torch.float64).tolist()
-                event["value"] = dict(zip(("sum", "abs_sum", "checksum", "checksum_scale"), values))
+                values = after.cpu().tolist()  # floats, or exact ints for integer/bool bases
+                event["value"] = dict(zip(_FINGERPRINT, values))
                 if before is not None:
-                    event["base_changed"] = not _same(before.to("cpu", torch.float64).tolist(),
-                                                      values)
+                    old = before.cpu().tolist()
+                    event["value_before"] = dict(zip(_FINGERPRINT, old))
+                    event["base_changed"] = not _same(old, values)
         self._pending.clear()
         return self._events
 
@@ -90,10 +96,12 @@ class ViewAudit(TorchDispatchMode):
             out = func(*args, **kwargs)
             source = next((a for a in args if _strided(a)), None)
             outs = out if isinstance(out, (list, tuple)) else [out]
+            plain = [_plain(a) for a in (*args, *sorted(kwargs.items()))]
             for i, o in enumerate(outs):
                 if _strided(o):
                     event = self._event(step, module, func, kind, f"return.{i}", o)
-                    event["aliased"] = _shares(o, source) if source is not None else None
+                    event.update(aliased=_shares(o, source) if source is not None else None,
+                                 args=plain)
                     if source is not None:
                         event["input_layout"] = _layout(source)
             return out
@@ -133,8 +141,11 @@ def compare_events(
 ) -> list[Finding]:
     """Findings where the target's view/in-place behaviour departs from the reference's.
 
-    Events are aligned per (step, module) by their sequence of (op, argument), so an extra or
-    missing op on one side (a backend decomposing differently) shifts nothing else.
+    Within each (step, module) an event is compared only with the same observable event of the
+    other run (``_key``): the same op and argument, on a tensor as exact (or not) as it; for a
+    view the same input layout, arguments and output sizes (these fix its strides and offset),
+    for a write the same written layout. Events a backend's other lowering adds, drops or
+    reorders (other views, other shapes) have no counterpart and are not judged.
 
     Args:
         ref, tgt: ``ViewAudit.events()`` of the reference and the target run.
@@ -142,20 +153,51 @@ def compare_events(
             fingerprint (difference over the fingerprint's magnitude): a float, a callable
             ``(ref_event, tgt_event) -> float``, or None for 16 unit roundoffs of the less
             precise of the two dtypes (enough for one op; pass more when drift accumulates
-            upstream, e.g. fp32 vs bf16 end to end).
+            upstream, e.g. fp32 vs bf16 end to end). Integer and bool bases take 0 whatever is
+            passed: they are exact or wrong.
     """
     found: list[tuple[int, Finding]] = []
     order = {id(e): i for i, e in enumerate(tgt)}
+    # Older manifests lack the views' arguments: strides and offset then identify a view (_key).
+    with_args = any("args" in e for e in ref) and any("args" in e for e in tgt)
     for r_events, t_events in _groups(ref, tgt).values():
-        matcher = difflib.SequenceMatcher(None, [_label(e) for e in r_events],
-                                          [_label(e) for e in t_events], autojunk=False)
-        for block in matcher.get_matching_blocks():
-            for k in range(block.size):
-                r, t = r_events[block.a + k], t_events[block.b + k]
-                finding = _judge(r, t, value_tolerance)
-                if finding is not None:
-                    found.append((order[id(t)], finding))
+        for r, t in _pairs(r_events, t_events, with_args):
+            finding = _judge(r, t, value_tolerance)
+            if finding is not None:
+                found.append((order[id(t)], finding))
     return [f for _, f in sorted(found, key=lambda pair: pair[0])]  # target execution order
+
+
+def _pairs(r_events: list[dict], t_events: list[dict], with_args: bool) -> list[tuple[dict, dict]]:
+    """(reference, target) pairs of the same observable event, each event in one pair at most:
+    equal keys in order of occurrence (a view's key fixes its layout, so reorderings are compared
+    too); writes only where both runs issue their key equally often (else which is which is
+    ambiguous: a backward lowered otherwise writes other bases through equal views); then
+    reference views the target returned as copies, by op, arguments and sizes (a copy's own views
+    have another input layout, yet a view op that does not alias breaks its schema anyway)."""
+    rk = [_key(e, with_args) for e in r_events]
+    tk = [_key(e, with_args) for e in t_events]
+    counts = Counter(rk), Counter(tk)
+    ambiguous = {k for k in counts[0] | counts[1] if counts[0][k] != counts[1][k]}
+    pairs: list[tuple[int, int]] = []
+    _in_order(pairs, *([None if k in ambiguous and e["kind"] != "view" else k
+                        for e, k in zip(events, keys)]
+                       for events, keys in ((r_events, rk), (t_events, tk))))
+    _in_order(pairs, [_loose(e, True, with_args) for e in r_events],
+              [_loose(e, False, with_args) for e in t_events])
+    return [(r_events[i], t_events[j]) for i, j in pairs]
+
+
+def _in_order(pairs: list[tuple[int, int]], r_keys: list, t_keys: list) -> None:
+    """Add to ``pairs`` the unpaired events of equal keys (None: not eligible), in order."""
+    r_used, t_used = {i for i, _ in pairs}, {j for _, j in pairs}
+    free: dict[Any, deque] = defaultdict(deque)
+    for j, k in enumerate(t_keys):
+        if k is not None and j not in t_used:
+            free[k].append(j)
+    for i, k in enumerate(r_keys):
+        if k is not None and i not in r_used and free.get(k):
+            pairs.append((i, free[k].popleft()))
 
 
 def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | None:
@@ -173,9 +215,8 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
                        "writes through it will not reach the original tensor")
     if not (r.get("aliased") and t.get("aliased")):
         return None
-    if r["kind"] == "view":
-        same_input = r.get("input_layout") == t.get("input_layout")
-        if r["sizes"] != t["sizes"] or (same_input and _layout_of(r) != _layout_of(t)):
+    if r["kind"] == "view":  # paired by input layout, arguments and sizes: the rest must agree
+        if _layout_of(r) != _layout_of(t):
             return finding("view.layout_mismatch",
                            f"view layout {_layout_of(t)} on the target, {_layout_of(r)} on the "
                            "reference", reference=_layout_of(r), target=_layout_of(t))
@@ -186,9 +227,13 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
                        "unchanged on the target")
     rv, tv = r.get("value"), t.get("value")
     if rv and tv:
-        tol = tolerance(r, t) if callable(tolerance) else tolerance
-        if tol is None:
+        if _exact(r["dtype"]) or _exact(t["dtype"]):
+            tol = 0.0  # token ids, labels, masks: exact or wrong, whatever tolerance was passed
+        elif (tol := tolerance(r, t) if callable(tolerance) else tolerance) is None:
             tol = 16 * max(dtypes.unit_roundoff(r["dtype"]), dtypes.unit_roundoff(t["dtype"]))
+        rb, tb = r.get("value_before"), t.get("value_before")
+        if rb and tb and _value_error(rb, tb) > tol:
+            return None  # the bases differed before the write: upstream drift, not this write
         err = _value_error(rv, tv)
         if err > tol:
             return finding("inplace.value_mismatch",
@@ -199,7 +244,7 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
 
 # Aliases autograd makes for itself (saving tensors for backward, .detach() in hooks): which
 # tensors get saved depends on the dtype path (a bf16 run casts where an fp32 run does not), so
-# they say nothing about the backend's view semantics and would misalign the two runs' events.
+# they say nothing about the backend's view semantics.
 _AUTOGRAD_ALIASES = frozenset({"detach", "alias", "lift_fresh"})
 
 
@@ -258,16 +303,23 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
-    """(sum, sum |x|, sum x*w, sum |x|*w) on t's device: cheap, dtype-robust, position-aware."""
+    """(sum, sum |x|, sum x*w, sum |x|*w) on t's device: cheap, dtype-robust, position-aware;
+    exact for integer/bool tensors (int64, integer weights, wrapping mod 2^64: no rounding above
+    2^53, and the same result in any summation order)."""
     if t.is_quantized:
         return None
-    acc = torch.float64 if t.device.type in ("cpu", "cuda") else torch.float32
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
-    x = x.reshape(-1).to(acc)
-    w = 1.0 + torch.remainder(torch.arange(x.numel(), device=x.device, dtype=acc),
-                              _WEIGHT_PERIOD) / _WEIGHT_PERIOD
+    x = x.reshape(-1)
+    if x.is_floating_point():
+        acc = torch.float64 if t.device.type in ("cpu", "cuda") else torch.float32
+        x = x.to(acc)
+        w = 1.0 + torch.remainder(torch.arange(x.numel(), device=x.device, dtype=acc),
+                                  _WEIGHT_PERIOD) / _WEIGHT_PERIOD
+    else:
+        x = x.to(torch.int64)
+        w = 1 + torch.remainder(torch.arange(x.numel(), device=x.device), _WEIGHT_PERIOD)
     a = x.abs()
     return torch.stack([x.sum(), a.sum(), (x * w).sum(), (a * w).sum()])
 
@@ -281,8 +333,44 @@ def _layout_of(e: dict[str, Any]) -> dict[str, Any]:
     return {"sizes": e["sizes"], "strides": e["strides"], "storage_offset": e["storage_offset"]}
 
 
-def _label(e: dict[str, Any]) -> str:
-    return f"{e['op']}|{e['arg']}"
+def _exact(dtype: str) -> bool:
+    """Integer and bool dtypes, by event name (an unknown name counts as floating)."""
+    d = getattr(torch, str(dtype), None)
+    return isinstance(d, torch.dtype) and not (d.is_floating_point or d.is_complex)
+
+
+def _key(e: dict[str, Any], with_args: bool) -> tuple:
+    """What makes two events the same observable thing (see ``compare_events``)."""
+    same = (e["op"], e["arg"], _exact(e["dtype"]))
+    if e["kind"] != "view":
+        return (*same, _frozen(_layout_of(e)))
+    rest = _frozen(e.get("args")) if with_args else (tuple(e["strides"]), e["storage_offset"])
+    return (*same, _frozen(e.get("input_layout")), tuple(e["sizes"]), rest)
+
+
+def _loose(e: dict[str, Any], aliased: bool, with_args: bool) -> tuple | None:
+    """A view's op, arguments and sizes, if its ``aliased`` is as asked (else None)."""
+    if e["kind"] != "view" or e.get("aliased") is not aliased:
+        return None
+    sizes = (e.get("input_layout") or {}).get("sizes")
+    return (e["op"], e["arg"], _frozen(sizes), tuple(e["sizes"]),
+            _frozen(e.get("args")) if with_args else None)
+
+
+def _frozen(x: Any) -> Any:
+    x = sorted(x.items()) if isinstance(x, dict) else x
+    return tuple(_frozen(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _plain(a: Any) -> Any:
+    """A view op's argument, JSON-ready (tensors by placeholder: their layout is recorded)."""
+    if isinstance(a, torch.Tensor):
+        return "<tensor>"
+    if isinstance(a, (list, tuple)):
+        return [_plain(v) for v in a]
+    if a is None or isinstance(a, (bool, int, str)) or (isinstance(a, float) and math.isfinite(a)):
+        return a
+    return int(a) if isinstance(a, torch.SymInt) else str(a)
 
 
 def _groups(ref: list[dict[str, Any]], tgt: list[dict[str, Any]]) -> dict[tuple, tuple]:
@@ -301,12 +389,12 @@ def _value_error(r: dict[str, float], t: dict[str, float]) -> float:
     """Largest fingerprint difference over its magnitude (not over the possibly-cancelled value)."""
     err = 0.0
     for value, scale in (("sum", "abs_sum"), ("checksum", "checksum_scale")):
-        a, b = r[value], t[value]
+        a, b = (math.nan if x is None else x for x in (r[value], t[value]))  # JSON non-finite
         if (math.isnan(a) and math.isnan(b)) or a == b:
             continue
-        magnitude = max(r[scale], t[scale])
         diff = abs(a - b)
         if math.isnan(diff) or math.isinf(diff):
             return math.inf
+        magnitude = max(r[scale] or 0, t[scale] or 0)
         err = max(err, diff / magnitude if magnitude > 0 else math.inf)
     return err

@@ -256,9 +256,18 @@ def _check_meta(i: int, meta: Any) -> None:
     if prof is not None and not (isinstance(prof, list) and 0 < len(prof) <= 64
                                  and all(_is_int(c) and c >= 0 for c in prof)):
         raise FormatError(f"manifest entry {i} meta 'kink_profile' is not a list of counts")
-    v = meta.get("mag_rms")
-    if not (_is_num(v) and (v is None or v >= 0)):
-        raise FormatError(f"manifest entry {i} meta 'mag_rms' is not a non-negative number")
+    if meta.get("k_grad") is not None and not (_is_int(meta["k_grad"]) and meta["k_grad"] >= 0):
+        raise FormatError(f"manifest entry {i} meta 'k_grad' is not a non-negative integer")
+    for k in ("mag_rms", "logit_absmax", "momentum"):
+        v = meta.get(k)
+        if not (_is_num(v) and (v is None or v >= 0)):
+            raise FormatError(f"manifest entry {i} meta {k!r} is not a non-negative number")
+    kinks = meta.get("kinks")
+    if kinks is not None and not (isinstance(kinks, list) and len(kinks) <= 16
+                                  and all(_is_num(c) and c is not None for c in kinks)):
+        raise FormatError(f"manifest entry {i} meta 'kinks' is not a list of numbers")
+    if meta.get("selection") is not None and not isinstance(meta["selection"], bool):
+        raise FormatError(f"manifest entry {i} meta 'selection' is not true or false")
 
 
 def json_safe(obj: Any, default: Callable[[Any], Any] | None = None) -> Any:
