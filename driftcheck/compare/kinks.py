@@ -127,7 +127,12 @@ class Kinks:
         absmax = x.stats.get("absmax")
         if prof and prof[0] and absmax:
             k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
-            return math.sqrt(prof[min(max(k, 0), len(prof) - 1)] / prof[0])
+            p = prof[min(max(k, 0), len(prof) - 1)] / prof[0]
+            # A max pool's profile counts windows whose top two are that close: a flip moves
+            # a window's gradient to another element (twice its energy in error).
+            outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), [None])
+            return math.sqrt(2 * p if outs and outs[0] is not None
+                             and outs[0].meta.get("selection") else p)
         xr = self.ref.tensor(x.raw, "sample")
         xt = self.tgt.tensor(xt_e.raw, "sample") if xt_e is not None else None
         if xr is None or xt is None or xr.shape != xt.shape or xr.numel() < 2 * KINK_NEAR:

@@ -80,11 +80,16 @@ class Capturing:
             entry["meta"] = dict(extra)
         self._order += 1
         data = t.detach()  # no autograd history: what follows records no graph
+        # A local replay's sample holds the positions of the entry it replays: the same key.
+        sk = fmt.key_string(self.step_index, phase, module, call, fmt.base_slot(slot)) \
+            if fmt.is_local_slot(slot) else skey
+        if sk != skey:
+            entry["sample_key"] = sk
         if self.audit is None:
-            summary, data = self._take(data, t, module, phase, skey, copy)
+            summary, data = self._take(data, t, module, phase, sk, copy)
         else:
             with self.audit.paused():  # the tracer's own ops stay out of the view audit
-                summary, data = self._take(data, t, module, phase, skey, copy)
+                summary, data = self._take(data, t, module, phase, sk, copy)
         self._pending.append(_Pending(entry, data, dev_meta, summary))
         self._pending_bytes += data.numel() * data.element_size()
         self._seen_keys.add(skey)
@@ -127,7 +132,8 @@ class Capturing:
             todo = [i for i, p in enumerate(pending) if p.summary is None]
             rows, got = tstats.summarize(
                 [pending[i].tensor for i in todo],
-                [None if fulls[i] else pending[i].entry["key"] for i in todo], self.seed)
+                [None if fulls[i] else pending[i].entry.get("sample_key", pending[i].entry["key"])
+                 for i in todo], self.seed)
             samples: list[torch.Tensor | None] = [p.summary[1] if p.summary else None for p in pending]
             for j, i in enumerate(todo):
                 samples[i] = got[j]
@@ -164,6 +170,7 @@ class Capturing:
             else:  # kink_profile: counts
                 pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
         for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
+            p.entry.pop("sample_key", None)  # the positions are the replayed entry's
             p.entry["stats"] = tstats.to_dict(row)
             if full:
                 self.writer.add(p.entry, host)

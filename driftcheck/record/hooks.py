@@ -11,7 +11,8 @@ from torch import nn
 
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
-from driftcheck.record.meta import KINK_MODULES, backward_meta, floating, is_leaf, kink_profile, magnitude_sq, static_meta
+from driftcheck.record.meta import (backward_meta, floating, is_leaf, kink_profile, kinks_of,
+                                    magnitude_sq, piecewise, static_meta, tie_profile)
 
 
 class ForwardHooks:
@@ -33,15 +34,20 @@ class ForwardHooks:
                 self.local.before_call(name, call)
             inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
             if self._capturing("forward"):
-                kink = type(module) in KINK_MODULES and not self._full(name) \
-                    and self._capturing("backward")
+                kinks = self._kinks.get(name, False)
+                if kinks is False:  # a module's kinks (a max pool's: "ties") do not change
+                    kinks = self._kinks[name] = kinks_of(module) or \
+                        ("ties" if piecewise(module).get("selection") else None)
+                kink = kinks is not None and not self._full(name) and self._capturing("backward")
                 for i, (slot, t) in enumerate(inputs):
                     dev_meta = None
                     if kink and i == 0 and t.is_floating_point():
                         with self._quiet():
                             try:
-                                dev_meta = {"kink_profile": kink_profile(t)}
-                            except (RuntimeError, NotImplementedError):
+                                prof = tie_profile(module, t) if kinks == "ties" else \
+                                    kink_profile(t, kinks)
+                                dev_meta = {"kink_profile": prof} if prof is not None else None
+                            except (RuntimeError, NotImplementedError, ValueError):
                                 pass  # a backend without frexp/bincount: compare goes without
                     self._capture(name, "forward", call, slot, t, extra=ctx, dev_meta=dev_meta)
             if self.audits and bn_audit.is_tracked_norm(module) and inputs:

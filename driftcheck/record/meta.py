@@ -10,6 +10,7 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -178,21 +179,62 @@ def magnitude_sq(m: nn.Module, x: torch.Tensor,
     return None
 
 
-# Modules whose gradient switches off where the input crosses zero: two runs' gradients differ
-# in full at the few elements whose input rounding carried across it, a sparse error a stats-mode
-# sample rarely holds. KINK_BINS + 1 counts of the input's magnitudes (kink_profile) let compare
-# estimate how many elements came that close to zero (compare._kink_estimate).
-KINK_MODULES = (nn.ReLU,)
+# Modules whose gradient jumps where the input crosses a kink (piecewise: ReLU's 0, a
+# hard-swish's +-3): two runs' gradients differ in full at the few elements whose input
+# rounding carried across one, a sparse error a stats-mode sample rarely holds. KINK_BINS + 1
+# counts of the inputs' distances to the nearest kink (kink_profile) let compare estimate how
+# many elements came that close (compare/kinks.py: _kink_estimate).
 KINK_BINS = 40
 
 
-def kink_profile(x: torch.Tensor) -> torch.Tensor:
-    """counts[k] = elements with |x| <= absmax * 2^-k (finite ones; k = 0..KINK_BINS, zeros in
-    every bin), on x's device: no sync."""
+def tie_profile(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A max pool's kink profile: counts[k] = windows whose two largest inputs are within
+    absmax(x) * 2^-k of each other (where rounding may flip the choice), on x's device. None
+    for a selection this does not know how to rerun."""
+    pools = {nn.MaxPool1d: (F.max_pool1d, 1), nn.MaxPool2d: (F.max_pool2d, 2),
+             nn.MaxPool3d: (F.max_pool3d, 3), nn.AdaptiveMaxPool1d: (F.adaptive_max_pool1d, 1),
+             nn.AdaptiveMaxPool2d: (F.adaptive_max_pool2d, 2),
+             nn.AdaptiveMaxPool3d: (F.adaptive_max_pool3d, 3)}
+    fn, dims = pools.get(type(m), (None, 0))
+    if fn is None or not x.is_floating_point() or x.numel() == 0 or x.dim() <= dims:
+        return None
+    kw = dict(output_size=m.output_size) if hasattr(m, "output_size") else \
+        dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding,
+             dilation=m.dilation, ceil_mode=m.ceil_mode)
     with torch.no_grad():
-        a = x.detach().reshape(-1).abs().float()
-        a = torch.where(torch.isfinite(a), a, torch.full_like(a, -1.0))  # -1: left out
-        m = a.max().clamp(min=torch.finfo(torch.float32).tiny) if a.numel() else a.new_ones(())
+        xf = x.detach().float()
+        top, idx = fn(xf, return_indices=True, **kw)  # idx: flat positions in each plane
+        spatial = xf.dim() - dims
+        xs = xf.reshape(*xf.shape[:spatial], -1).clone()
+        xs.scatter_(-1, idx.reshape(*idx.shape[:spatial], -1), -math.inf)
+        second = fn(xs.reshape(xf.shape), **kw)
+        gap = torch.where(torch.isfinite(second), top - second, torch.full_like(top, math.inf))
+        return kink_profile_of(gap.reshape(-1), xf.abs().amax())
+
+
+def kinks_of(m: nn.Module) -> list[float] | None:
+    """The kinks of a piecewise leaf module (None for anything else)."""
+    return piecewise(m).get("kinks") if is_leaf(m) else None
+
+
+def kink_profile(x: torch.Tensor, kinks: list[float] | tuple[float, ...] = (0.0,)) -> torch.Tensor:
+    """counts[k] = elements whose distance to the nearest kink is <= absmax(x) * 2^-k (finite
+    ones; k = 0..KINK_BINS, elements on a kink in every bin), on x's device: no sync."""
+    with torch.no_grad():
+        xf = x.detach().reshape(-1).float()
+        d = xf.abs() if list(kinks) == [0.0] else \
+            torch.stack([(xf - c).abs() for c in kinks]).amin(0)
+        fin = torch.isfinite(xf)
+        d = torch.where(fin, d, torch.full_like(d, math.nan))
+        return kink_profile_of(d, torch.where(fin, xf.abs(), torch.zeros_like(xf)).amax()
+                               if xf.numel() else xf.new_ones(()))
+
+
+def kink_profile_of(d: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """counts[k] = finite distances d <= absmax * 2^-k, k = 0..KINK_BINS (zeros in every bin)."""
+    with torch.no_grad():
+        a = torch.where(torch.isfinite(d), d, torch.full_like(d, -1.0))  # -1: left out
+        m = absmax.clamp(min=torch.finfo(torch.float32).tiny)
         mant, exp = torch.frexp(a / m)  # a/m = mant * 2^exp, mant in [0.5, 1)
         # k: the largest with a/m <= 2^-k (a/m in (2^-k-1, 2^-k])
         k = (exp.neg() + (mant == 0.5).to(exp.dtype)).clamp(0, KINK_BINS)

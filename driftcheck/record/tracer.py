@@ -109,6 +109,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self.fp8_stats: list[dict[str, Any]] = []
         self._host = tstats.HostSummaries(seed)
         self._static: dict[str, dict[str, Any]] = {}  # module path -> _static_meta
+        self._kinks: dict[str, Any] = {}  # module path -> its kinks, "ties" or None
 
     def manifest_extra(self) -> dict[str, Any]:
         """What the manifest records besides the entries: the run's findings, and the tied

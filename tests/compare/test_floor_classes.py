@@ -6,6 +6,7 @@ another thread count: every clean control must pass; a scaled module output must
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +31,8 @@ def _scenario(model_fn, shape, loss=None, steps: int = 2, seed: int = 0, ints: i
 
 
 def _pair(tmp_path, make, *, dtype="bf16", threads=None, local=True, mode="full", hooks=None):
+    """Compare a target against an fp32 reference recorded in the same ``mode`` (the local
+    replay always replays the full-mode reference)."""
     ref = tmp_path / "ref"
     tgt = tmp_path / ("tgt" + (mode if mode != "full" else ""))
     before = torch.get_num_threads()
@@ -38,13 +41,15 @@ def _pair(tmp_path, make, *, dtype="bf16", threads=None, local=True, mode="full"
             torch.set_num_threads(threads[0])
         if not ref.exists():
             record(make(), ref, force=True)
+        ref_m = ref if mode == "full" else record(make(), tmp_path / f"ref-{mode}", force=True,
+                                                  replay=ref, mode=mode)
         if threads:
             torch.set_num_threads(threads[1])
         record(make(), tgt, dtype="fp32" if threads else dtype, replay=ref, force=True,
                local=ref if local else None, mode=mode, target_hooks=hooks)
     finally:
         torch.set_num_threads(before)
-    return compare(ref, tgt)
+    return compare(ref_m, tgt)
 
 
 def _worst(rep):
@@ -58,8 +63,9 @@ def _pool_net():
                          nn.AdaptiveMaxPool2d(2), nn.Flatten(), nn.Linear(32, 4))
 
 
-def test_max_pool_selection_flips_under_local_replay_pass(tmp_path):
-    rep = _pair(tmp_path, lambda: _scenario(_pool_net, (8, 3, 32, 32)))
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_max_pool_selection_flips_under_local_replay_pass(tmp_path, mode):
+    rep = _pair(tmp_path, lambda: _scenario(_pool_net, (8, 3, 32, 32)), mode=mode)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
 
 
@@ -88,9 +94,20 @@ class _HardNet(nn.Module):
         return self.c(h * self.gate(self.b(h) * 4))
 
 
-def test_hard_swish_kinks_under_local_replay_pass(tmp_path):
-    rep = _pair(tmp_path, lambda: _scenario(_HardNet, (64, 64)))
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_hard_swish_kinks_under_local_replay_pass(tmp_path, mode):
+    rep = _pair(tmp_path, lambda: _scenario(_HardNet, (64, 64)), mode=mode)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_hard_swish_kink_profile_counts_distances_to_its_kinks(tmp_path):
+    ref = record(_scenario(_HardNet, (64, 64)), tmp_path / "s", mode="stats", force=True)
+    from driftcheck.store import TraceReader
+
+    e = next(e for e in TraceReader(ref).entries if e["module"] == "act"
+             and e["phase"] == "forward" and e["slot"] == "input.0" and e["step"] == 0)
+    prof = e["meta"]["kink_profile"]
+    assert prof[0] == 64 * 256 and prof[6] > 0  # within absmax/64 of +-3: some
 
 
 def test_hard_swish_fault_still_caught(tmp_path):

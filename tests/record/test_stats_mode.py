@@ -443,7 +443,7 @@ def test_a_backend_without_the_kink_profile_ops_still_records(tmp_path, monkeypa
     break a record: the ReLU's input is captured without a profile."""
     import driftcheck.record.hooks as tr
 
-    def unsupported(x):
+    def unsupported(x, kinks=(0.0,)):
         raise NotImplementedError("aten::frexp is not implemented for the 'tpu' backend")
 
     monkeypatch.setattr(tr, "kink_profile", unsupported)
