@@ -86,6 +86,21 @@ class DependencyIndex:
         s = call[0]
         return [o for m, c in self.children.get(call, []) for o in self.gin.get((s, m, c), [])]
 
+    def made_inside(self, e: TraceEntry) -> list[TraceEntry]:
+        """For an output gradient whose tensor a descendant call made itself (meta ``made_by``:
+        a key/value cache the model returns), the backward entries of that call recorded before
+        it, when there are any: the gradient was then computed inside that call's backward, not
+        by the code consuming the output. [] otherwise."""
+        made = e.meta.get("made_by")
+        if not made or e.phase != "backward":
+            return []
+        d_mod, _, d_call = made.rpartition("#")
+        call = (e.step, d_mod, int(d_call))
+        before = [g for g in self.gin.get(call, []) + self.child_gins(call) if g.order < e.order]
+        if not before:
+            return []
+        return before + [g for g in self.gout.get(call, []) if g.order < e.order]
+
     def dependencies(self, e: TraceEntry) -> list[TraceEntry]:
         """The entries whose error ``e`` inherits (see floor.py)."""
         s, ph, m, c, slot = e.align
@@ -125,6 +140,9 @@ class DependencyIndex:
                 if anc is None:
                     deps += self.loss.get(s, [])
             deps += self.fwd_out.get(call, [])
+            inside = self.made_inside(e)
+            if inside:  # a cache tensor: its gradient came through the call that made it
+                deps += inside
         elif ph == "backward":
             deps += self.gout.get(call, []) + self.child_gins(call)
             deps += self.fwd_in.get(call, []) + self.fwd_out.get(call, []) + self.child_outputs(call)

@@ -61,6 +61,9 @@ class Verdict:
             if first.local_ratio is not None:
                 fd["local_ratio"] = first.local_ratio
             fd["blame_module"] = self._blame_module(first)
+            if fd["blame_module"] != first.module and first.phase == "backward":
+                fd["where"] = (f"in the backward of {fd['blame_module']}, which made this tensor "
+                               f"that {first.module or 'the model'} returns (a cache)")
         cause = _semantic_cause(gate_findings, first)
         if cause is not None:
             # A finding names a defect for certain; drift only where the numbers part (a
@@ -97,6 +100,8 @@ class Verdict:
         parent = self.ref_index.parent_of(r) if r is not None else None
         if e.phase == "forward" and e.slot.startswith("input") and parent is not None:
             return parent[1]
+        if r is not None and self.ref_index.made_inside(r):
+            return r.meta["made_by"].rpartition("#")[0]  # the call that made the cache tensor
         return e.module
 
 

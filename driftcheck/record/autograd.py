@@ -19,12 +19,13 @@ class BackwardHooks:
     """The autograd half of :class:`driftcheck.record.tracer.Tracer` (its state lives there)."""
 
     def _hook_backward(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]],
-                       ctx: dict[str, Any]) -> None:
+                       ctx: dict[str, Any], made_by: dict[str, str] | None = None) -> None:
         bctx = backward_meta(ctx)
         for slot, t in outputs:
             if t.requires_grad and floating(t) and t.grad_fn is not None:
                 gslot = "grad_" + slot
-                t.register_hook(self._make_grad_output_hook(name, call, gslot, bctx))
+                gctx = dict(bctx, made_by=made_by[slot]) if made_by and slot in made_by else bctx
+                t.register_hook(self._make_grad_output_hook(name, call, gslot, gctx))
         inputs = self._call_inputs.pop((name, call), None)
         start = self._start_seq.pop((name, call), None)
         if not inputs or start is None:

@@ -55,6 +55,7 @@ class ForwardHooks:
                     self._bn_before[(name, call)] = (bn_audit.snapshot(module),
                                                      inputs[0][1].detach().clone())
             if self._capturing("backward") and torch.is_grad_enabled():
+                self._span_start[(name, call)] = self._next_sequence_nr()
                 # Remember each input's autograd node now: an in-place op inside the module
                 # (ReLU(inplace=True)) replaces the tensor's grad_fn during the call.
                 grad_inputs = [(s, t, t.grad_fn, t.output_nr) for s, t in inputs
@@ -103,10 +104,37 @@ class ForwardHooks:
                                                 module.training, self.step_index, call)
                 self.findings.extend(f.to_dict() for f in found)
             if self._capturing("backward") and torch.is_grad_enabled():
-                self._hook_backward(name, call, outputs, ctx)
+                self._hook_backward(name, call, outputs, ctx, self._made_by(name, call, outputs))
             if self.local is not None and self._capturing("forward") and is_leaf(module):
                 self._local_replay(name, call, module, args, kwargs, ctx)
         return post_hook
+
+    def _made_by(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]]
+                 ) -> dict[str, str]:
+        """Outputs of this call that a descendant's own code made (a key/value cache tensor an
+        attention module built and the model returns): slot -> "<module>#<call>" of the
+        innermost call whose autograd nodes include the tensor's. Its gradient is computed
+        inside that call's backward, not by the code that consumes this call's output."""
+        start = self._span_start.pop((name, call), None)
+        if start is None:
+            return {}
+        end = self._next_sequence_nr()
+        made: dict[str, str] = {}
+        for slot, t in outputs:
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            seq = node._sequence_nr() if node is not None else -1
+            if not start <= seq < end:
+                continue
+            best = None
+            for s, e, who in reversed(self._spans):  # the calls that ran inside this one
+                if s < start:
+                    break
+                if s <= seq < e and (best is None or s > best[0]):
+                    best = (s, who)
+            if best is not None:
+                made[slot] = best[1]
+        self._spans.append((start, end, f"{name}#{call}"))
+        return made
 
     def _local_replay(self, name: str, call: int, module: nn.Module, args: tuple, kwargs: dict,
                       ctx: dict[str, Any]) -> None:

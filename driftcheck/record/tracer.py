@@ -198,6 +198,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
+        self._span_start: dict[tuple[str, int], int] = {}  # a call's first sequence number
+        self._spans: list[tuple[int, int, str]] = []  # (first, end, "<module>#<call>"), in post-order
         self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
         self._weight_sq: dict[int, tuple[int, torch.Tensor]] = {}
         # id(output node) -> (start sequence number, the node, exit edges) of this step's calls

@@ -244,9 +244,10 @@ def _check_meta(i: int, meta: Any) -> None:
         return
     if not isinstance(meta, dict):
         raise FormatError(f"manifest entry {i} 'meta' is not an object")
-    parent = meta.get("parent")
-    if parent is not None and not (isinstance(parent, str) and _PARENT.match(parent)):
-        raise FormatError(f"manifest entry {i} meta 'parent' is not of the form MODULE#CALL")
+    for k in ("parent", "made_by"):
+        v = meta.get(k)
+        if v is not None and not (isinstance(v, str) and _PARENT.match(v)):
+            raise FormatError(f"manifest entry {i} meta {k!r} is not of the form MODULE#CALL")
     for k in ("kind", "module_type"):
         if meta.get(k) is not None and not isinstance(meta[k], str):
             raise FormatError(f"manifest entry {i} meta {k!r} is not a string")

@@ -279,3 +279,79 @@ def test_batchnorm_bug_is_blamed_on_the_module_the_finding_names(tmp_path):
     fd = rep.first_divergence
     assert fd["module"] == "bn" and fd["finding"] == "batchnorm.running_stats_not_updated"
     assert rep.decided_by.startswith("batchnorm.running_stats_not_updated in bn step 0")
+
+
+# -- a cache tensor the model returns: attributed to the module that made it --------------------
+class _CacheAttention(nn.Module):
+    """Keys built in the module's own code (not a submodule's output) and handed back up as a
+    cache, as Hugging Face attention layers do with past_key_values."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.bad_backward = False
+
+    def forward(self, x, cache):
+        k = self.k(x) * 0.5 + 0.1  # made here
+        cache.append(k)
+        if self.bad_backward:  # a wrong backward of this module's own code
+            k = _GradTimes.apply(k)
+        att = torch.softmax(self.q(x) @ k.transpose(-1, -2), -1)
+        return self.o(att @ x)
+
+
+class _GradTimes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.05
+
+
+class _CacheModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_CacheAttention() for _ in range(3)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        cache = []
+        for layer in self.layers:
+            x = x + layer(x, cache)
+        return {"logits": self.head(x), "past_key_values": tuple(cache)}
+
+
+def _cache_scenario():
+    return _scenario(_CacheModel, (2, 8, 16), loss=lambda out, b: out["logits"].pow(2).mean())
+
+
+def test_a_returned_cache_tensor_names_the_call_that_made_it(tmp_path):
+    from driftcheck.store import TraceReader
+
+    ref = record(_cache_scenario(), tmp_path / "ref", force=True)
+    made = {e["slot"]: e["meta"].get("made_by") for e in TraceReader(ref).entries
+            if e["module"] == "" and e["phase"] == "backward" and e["step"] == 0}
+    assert made["grad_output.past_key_values.1"] == "layers.1#0"
+    assert made["grad_output.logits"] == "head#0"  # compare tells the two apart by order
+
+
+def test_a_cache_gradient_defect_is_blamed_on_the_attention_that_made_it(tmp_path):
+    def bad(model):
+        model.layers[1].bad_backward = True
+
+    ref = record(_cache_scenario(), tmp_path / "ref", force=True)
+    rep = compare(ref, record(_cache_scenario(), tmp_path / "bad", replay=ref, force=True,
+                              target_hooks=bad))
+    assert rep.verdict == "fail"
+    fd = rep.first_divergence
+    assert fd["blame_module"] == "layers.1", fd
+    assert "backward of layers.1" in fd["where"]
+
+
+def test_cache_controls_pass(tmp_path):
+    rep = _pair(tmp_path, _cache_scenario, local=True)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    rep = _pair(tmp_path / "t", _cache_scenario, threads=(1, 2), local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
