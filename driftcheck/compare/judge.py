@@ -59,6 +59,9 @@ class Judging:
         # where terms cancel (a key bias's gradient is exactly zero in exact arithmetic) the
         # rounding error scales with the terms, not with their tiny sum.
         mag = max(meta.get("mag_rms") or 0.0, self._magnitude(r))
+        gain = self._norm_gain(r)
+        if gain > 1.0:
+            details["norm_gain"] = gain
         scale_rms = max(ref_rms, mag)
         scale_max = ref_max * (scale_rms / ref_rms if ref_rms > 0 else 1.0)
         self.errors[a] = Propagated(fl.relative(m.get("rms", 0.0), scale_rms),
@@ -109,8 +112,10 @@ class Judging:
             k = None  # made by the code that consumed the output, not by this module
         else:
             k = meta.get("k")
-        fi = fl.FloorInputs(u=u, u_acc=u_acc, k=k, scale_rms=scale_rms,
-                            scale_max=scale_max, inherited_rms=inh_rms, inherited_max=inh_max,
+        # A norm subtracting a mean far above the spread amplifies its input's error (and its
+        # own rounding of x - mean) by rms/std: the floor's scale, not the value passed on.
+        fi = fl.FloorInputs(u=u, u_acc=u_acc, k=k, scale_rms=scale_rms * gain,
+                            scale_max=scale_max * gain, inherited_rms=inh_rms, inherited_max=inh_max,
                             extra_rms=extra_rms, extra_max=extra_max, tiny=tiny)
         f = fl.floor(fi)
         # A kink inside the module (nn.ReLU) shows in its input gradient; one applied to its
@@ -169,6 +174,15 @@ class Judging:
         return Entry(**base, metrics=m, floor=f.rms, ratio=ratio, status=status,
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
                      rule=ignore or rule, details=details)
+
+    def _norm_gain(self, r: TraceEntry) -> float:
+        """rms/std of a mean-subtracting norm's input (meta ``norm_gain`` of its output): the
+        factor by which subtracting the mean amplifies the error of its input, for its outputs
+        and its input gradients; 1 for anything else."""
+        if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
+            return 1.0
+        outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+        return max((float(e.meta.get("norm_gain") or 1.0) for e in outs), default=1.0)
 
     def _logit_max(self, r: TraceEntry) -> float:
         """The largest softmax logit with weight that this module call's own code computed (its

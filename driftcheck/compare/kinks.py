@@ -98,13 +98,31 @@ class Kinks:
         out = mx.tensor_error(rt[keep], tt[keep], ref_dtype=r.dtype, tgt_dtype=t.dtype) \
             if int(keep.sum()) else {"rms": 0.0, "max_abs": 0.0}
         crossings = int(cross.sum()) if cross is not None else None
-        # Without the forward input, allow what rounding near zero typically produces.
-        allowed = 2 * crossings + 4 if crossings is not None else \
-            max(4, int(SELECTION_SHARE * rt.numel()))
+        # Without the forward input, allow what rounding near zero typically produces, or (a
+        # stats-mode sample) what the input's kink profile says came that close.
+        if crossings is not None:
+            allowed = 2 * crossings + 4
+        else:
+            allowed = max(4, int(SELECTION_SHARE * rt.numel()))
+            near = self._near_kink(r) if which == "sample" else None
+            if near is not None:
+                allowed = max(allowed, 2 * math.ceil(near * rt.numel()) + 4)
         out = dict(out)
         out["kink_flips"] = {"count": n, "allowed": allowed, "forward_crossings": crossings,
                              "unexplained": n > allowed}
         return out
+
+    def _near_kink(self, r: TraceEntry) -> float | None:
+        """The fraction of the forward input (of gradient entry ``r``) within twice its error of
+        a kink, from its ``kink_profile``; None without one."""
+        x, _ = self._forward_of(r)
+        err = self.errors.get(x.align) if x is not None else None
+        prof = x.meta.get("kink_profile") if x is not None else None
+        absmax = x.stats.get("absmax") if x is not None else None
+        if err is None or not err.rms or not prof or not prof[0] or not absmax:
+            return None
+        k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
+        return prof[min(max(k, 0), len(prof) - 1)] / prof[0]
 
     def _kink_estimate(self, r: TraceEntry, seen: dict[str, Any] | None = None) -> float | None:
         """The relative rms error of a gradient from kink flips (stats mode). Flips are few and
@@ -123,11 +141,8 @@ class Kinks:
         err = self.errors.get(x.align) if x is not None else None
         if err is None or not err.rms:
             return None
-        prof = x.meta.get("kink_profile")
-        absmax = x.stats.get("absmax")
-        if prof and prof[0] and absmax:
-            k = math.floor(math.log2(absmax / (2.0 * err.rms))) if absmax > 2.0 * err.rms else 0
-            p = prof[min(max(k, 0), len(prof) - 1)] / prof[0]
+        p = self._near_kink(r)
+        if p is not None:
             # A max pool's profile counts windows whose top two are that close: a flip moves
             # a window's gradient to another element (twice its energy in error).
             outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), [None])

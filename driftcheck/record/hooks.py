@@ -12,7 +12,7 @@ from torch import nn
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
 from driftcheck.record.meta import (backward_meta, floating, is_leaf, kink_profile, kinks_of,
-                                    magnitude_sq, piecewise, static_meta, tie_profile)
+                                    magnitude_sq, norm_gain_sq, piecewise, static_meta, tie_profile)
 
 
 class ForwardHooks:
@@ -90,6 +90,14 @@ class ForwardHooks:
                         mag = None  # a layer shape it does not know: the floor goes without
                 if mag is not None:
                     dev_meta = {"mag_sq": mag}
+            if kind in ("norm", "batchnorm") and args and isinstance(args[0], torch.Tensor):
+                with self._quiet():
+                    try:
+                        gain = norm_gain_sq(module, args[0])
+                    except (RuntimeError, ValueError, NotImplementedError):
+                        gain = None
+                if gain is not None:
+                    dev_meta = dict(dev_meta or {}, norm_gain_sq=gain)
             logits = self._logits.pop((name_, call), None)
             if logits is not None:
                 dev_meta = dict(dev_meta or {}, logit_absmax=logits)

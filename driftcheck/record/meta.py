@@ -313,3 +313,27 @@ class LogitWatch(TorchFunctionMode):
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
             pass  # a layout this does not know: the floor goes without the amplification
         return func(*args, **kwargs)
+
+
+def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """mean over normalization groups of (rms / std)^2 of a mean-subtracting norm's input: how
+    much subtracting the mean amplifies the input's error (a channel whose mean is far above its
+    spread, as after a 1x1 spatial map with batch 2, cancels). On x's device; None for others."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+        return None
+    with torch.no_grad():
+        xf = x.detach().float()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and xf.dim() >= 2:
+            dims = [0] + list(range(2, xf.dim()))
+            eps = m.eps
+        elif isinstance(m, nn.LayerNorm):
+            dims = list(range(xf.dim() - len(m.normalized_shape), xf.dim()))
+            eps = m.eps
+        elif isinstance(m, nn.GroupNorm) and xf.dim() >= 2:
+            xf = xf.reshape(xf.shape[0], m.num_groups, -1)
+            dims, eps = [2], m.eps
+        else:
+            return None
+        ms = xf.pow(2).mean(dim=dims)
+        var = xf.var(dim=dims, unbiased=False)
+        return (ms / (var + eps)).clamp(min=1.0).mean()

@@ -355,3 +355,36 @@ def test_cache_controls_pass(tmp_path):
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
     rep = _pair(tmp_path / "t", _cache_scenario, threads=(1, 2), local=False)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a norm that subtracts a mean far above the spread ------------------------------------------
+class _TightBn(nn.Module):
+    """Batch 2 and a 1x1 map, as a ResNet's last stage on small images: each channel's two
+    values sit close to their mean, and normalizing amplifies their error by rms/std."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 32, 1)
+        self.bn = nn.BatchNorm2d(32)
+        self.ln = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.bn(self.conv(x) + 2.0)
+        return self.head(self.ln(h.flatten(1) + 5.0))
+
+
+@pytest.mark.parametrize("threads", [None, (1, 2)])
+def test_norm_of_a_tight_channel_pass(tmp_path, threads):
+    rep = _pair(tmp_path, lambda: _scenario(_TightBn, (4, 8, 1, 1)), threads=threads)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    e = next(e for e in rep.entries if e.module == "bn" and e.phase == "forward"
+             and e.slot == "output" and e.step == 0)
+    assert e.details["norm_gain"] > 2
+
+
+def test_norm_of_a_tight_channel_fault_still_caught(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_TightBn, (4, 8, 1, 1)), dtype="fp32", local=False,
+                hooks=scale_output("bn", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "bn"
+
