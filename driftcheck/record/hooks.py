@@ -30,8 +30,8 @@ class ForwardHooks:
                 return
             ctx = {"parent": f"{parent[0]}#{parent[1]}" if parent else None,
                    "call_start": self._order}
-            if self.local is not None:
-                self.local.before_call(name, call)
+            if self.local is not None and is_leaf(module):
+                self.local.before_call(name, call, self.device)
             inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
             if self._capturing("forward"):
                 kinks = self._kinks.get(name, False)

@@ -55,15 +55,18 @@ class LocalReplay:
                                   "tensors (recorded with --mode stats?); record it with --mode full")
         self.replay_id = self.reader.run.get("replay_id")
         self._mask_mark: dict[tuple[str, int], tuple[int, int]] = {}
+        self._rng_mark: dict[tuple[str, int], Any] = {}
 
     def _ref(self, step: int, phase: str, module: str, call: int, slot: str) -> torch.Tensor | None:
         e = self.by_key.get((step, phase, module, call, slot))
         return None if e is None else self.reader.tensor(e)
 
-    def before_call(self, name: str, call: int) -> None:
-        """At the real call's pre-hook: remember where the dropout mask stream stands."""
+    def before_call(self, name: str, call: int, device: torch.device | None = None) -> None:
+        """At the real call's pre-hook: remember where the dropout mask stream and the RNG
+        stand, so the replay draws what the real call drew (stochastic depth, random masks)."""
         if self.dropout is not None:
             self._mask_mark[(name, call)] = (self.dropout.index, len(self.dropout.masks))
+        self._rng_mark[(name, call)] = _rng_state(device)
 
     def replay(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
                kwargs: dict, *, backward: bool,
@@ -77,6 +80,7 @@ class LocalReplay:
         ``owner(param)`` names the (module, name) a parameter is recorded under (tied weights).
         Nothing is returned for a call whose reference inputs were not recorded."""
         mark = self._mask_mark.pop((name, call), None)
+        rng = self._rng_mark.pop((name, call), None)
         results: list[tuple[str, str, torch.Tensor]] = []
         missing: list[str] = []
         needs_grad: set[str] = set()  # the inputs whose gradient the real call produced
@@ -117,7 +121,7 @@ class LocalReplay:
                 return leaf.clone()
             r_args = substitute(r_args, "input", as_leaf)
             r_kwargs = substitute(r_kwargs, "input", as_leaf)
-        with self._isolated(module, mark, ref_params), torch.set_grad_enabled(backward):
+        with self._isolated(module, mark, ref_params, rng), torch.set_grad_enabled(backward):
             out = module(*r_args, **r_kwargs)
             outs: list[tuple[str, torch.Tensor]] = []
             substitute(out, "output", lambda s, t: outs.append((s, t)))
@@ -141,7 +145,7 @@ class LocalReplay:
 
     @contextlib.contextmanager
     def _isolated(self, module: nn.Module, mark: tuple[int, int] | None,
-                  params: dict[str, nn.Parameter]) -> Iterator[None]:
+                  params: dict[str, nn.Parameter], rng: Any = None) -> Iterator[None]:
         # The replay works on copies of the buffers: writing the originals back afterwards would
         # bump their version counters, and BatchNorm saves running stats for its backward.
         originals = {k: b for k, b in module._buffers.items() if b is not None}
@@ -157,6 +161,7 @@ class LocalReplay:
             self.dropout.index = mark[0]  # the real call's first mask index
         try:
             with _fork_rng(dev):
+                _set_rng_state(rng)
                 yield
         finally:
             module._buffers.update(originals)
@@ -176,3 +181,27 @@ def _fork_rng(dev: torch.device) -> Any:
         return torch.random.fork_rng(devices=[dev.index or 0], device_type=dev.type)
     except (RuntimeError, AttributeError, TypeError):  # a backend without RNG state access
         return torch.random.fork_rng(devices=[])
+
+
+def _rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
+    """The CPU generator's state, and the device's where it has one (no copy on the device)."""
+    dev_state = None
+    if device is not None and device.type != "cpu":
+        try:
+            mod = getattr(torch, device.type)
+            dev_state = (mod, mod.get_rng_state(device.index or 0))
+        except (AttributeError, RuntimeError, TypeError):  # a backend without RNG state access
+            dev_state = None
+    return torch.random.get_rng_state(), dev_state
+
+
+def _set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:
+    if state is None:
+        return
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        mod, dev_state = state[1]
+        try:
+            mod.set_rng_state(dev_state)
+        except (AttributeError, RuntimeError, TypeError):
+            pass

@@ -79,6 +79,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self.audits = audits
         self.view_audit = view_audit
         self.local = local  # a local.LocalReplay: replay leaf modules on the reference's inputs
+        self.device = _model_device(model)
         self._replaying = False
         self.max_pending_bytes = max_pending_bytes
         self.optimizer = optimizer

@@ -388,3 +388,35 @@ def test_norm_of_a_tight_channel_fault_still_caught(tmp_path):
                 hooks=scale_output("bn", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "bn"
 
+
+
+# -- a module that draws random numbers, under local replay --------------------------------------
+class _StochasticDepth(nn.Module):
+    """torchvision's StochasticDepth: a per-sample keep mask drawn with bernoulli_ in forward."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        keep = torch.empty([x.shape[0]] + [1] * (x.dim() - 1), dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.drop = _StochasticDepth()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(x + self.drop(self.fc(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_random_draws_are_replayed_by_the_local_replay(tmp_path, mode):
+    rep = _pair(tmp_path, lambda: _scenario(_Residual, (16, 32)), mode=mode)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
