@@ -155,6 +155,13 @@ class DependencyIndex:
                     k = (s, user, cc)
                     deps += self.gout.get(k, []) + self.fwd_in.get(k, []) + self.fwd_out.get(k, [])
                     deps += self.child_gins(k)
+                    if not self.gout.get(k):
+                        # No output gradient recorded (an in-place op after the module took its
+                        # place): the gradients around it in its parent's call stand for it.
+                        outs = self.fwd_out.get(k, [])
+                        parent = self.parent_of(outs[0]) if outs else None
+                        if parent is not None:
+                            deps += self.gout.get(parent, []) + self.child_gins(parent)
             deps += self.params.get((s, m), [])
         elif ph == "optimizer":
             leaf = slot.split(".", 2)[1] if slot.count(".") >= 1 else slot

@@ -8,6 +8,7 @@ its exits (recorded by its own walk) stand for it.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -25,17 +26,28 @@ class BackwardHooks:
             if t.requires_grad and floating(t) and t.grad_fn is not None:
                 gslot = "grad_" + slot
                 gctx = dict(bctx, made_by=made_by[slot]) if made_by and slot in made_by else bctx
-                t.register_hook(self._make_grad_output_hook(name, call, gslot, gctx))
+                hook = self._make_grad_output_hook(name, call, gslot, gctx)
+                t.register_hook(hook)
+                if whole_base_node(t) is not None:
+                    # An in-place op on a view (ReLU(inplace=True) after an N-d Linear) rebases
+                    # it onto its base, and the view's own hook never fires: the base's does
+                    # (the same gradient, reshaped; the first capture of a key wins).
+                    t._base.register_hook(lambda g, hook=hook, shape=t.shape: hook(g.reshape(shape)))
         inputs = self._call_inputs.pop((name, call), None)
         start = self._start_seq.pop((name, call), None)
         if not inputs or start is None:
             return
-        # Targets: the autograd node (and output index) of each input tensor.
+        # Targets: the autograd node (and output index) of each input tensor, and of the base
+        # of an input that is a whole view of it (where an in-place op inside the call leads).
         targets: dict[tuple[int, int], str] = {}
-        for slot, t, node, nr in inputs:
+        shapes: dict[str, torch.Size] = {}
+        for slot, t, node, nr, base in inputs:
             if node is not None:
                 targets[(id(node), nr)] = slot
-        leaf_targets = {id(t): slot for slot, t, node, _ in inputs if node is None}
+            if base is not None:
+                targets.setdefault((id(base[0]), base[1]), slot)
+            shapes[slot] = t.shape
+        leaf_targets = {id(t): slot for slot, t, node, _, _ in inputs if node is None}
         # Walk the nodes created during this call; collect edges into the inputs' nodes. A
         # child call's subgraph is not walked again: from its single output node, its exits
         # (the edges leaving its subgraph, recorded by its own walk) stand for it.
@@ -81,7 +93,8 @@ class BackwardHooks:
             self._exits[id(roots[0])] = (start, roots[0], [
                 e for e in walked if id(e[2]) not in expanded])
         for slot, edge_list in edges.items():
-            acc = _GradAccumulator(self, name, call, "grad_" + slot, len(edge_list), bctx)
+            acc = _GradAccumulator(self, name, call, "grad_" + slot, len(edge_list), bctx,
+                                   shapes.get(slot))
             by_node: dict[int, list[int]] = {}
             nodes: dict[int, Any] = {}
             for node, i in edge_list:
@@ -111,11 +124,12 @@ class _GradAccumulator:
     """Sums the gradient reaching one module input over all edges leaving the module."""
 
     def __init__(self, tracer: Any, name: str, call: int, slot: str, n_edges: int,
-                 ctx: dict[str, Any]) -> None:
+                 ctx: dict[str, Any], shape: torch.Size | None = None) -> None:
         self.tracer, self.name, self.call, self.slot = tracer, name, call, slot
         self.remaining = n_edges
         self.total: torch.Tensor | None = None
         self.ctx = ctx
+        self.shape = shape  # the input's: an edge into its base carries the base's shape
 
     def node_hook(self, idxs: list[int]) -> Callable:
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -123,9 +137,25 @@ class _GradAccumulator:
                 g = grad_inputs[i] if i < len(grad_inputs) else None
                 if g is not None:
                     g = g.detach()
+                    if self.shape is not None and g.shape != self.shape \
+                            and g.numel() == math.prod(self.shape):
+                        g = g.reshape(self.shape)
                     self.total = g.clone() if self.total is None else self.total + g
                 self.remaining -= 1
             if self.remaining == 0 and self.total is not None and self.tracer._active:
                 self.tracer._capture(self.name, "backward", self.call, self.slot, self.total,
                                      extra=self.ctx, copy=False)
         return hook
+
+
+def whole_base_node(t: torch.Tensor) -> tuple[Any, int] | None:
+    """(grad_fn, output_nr) of the base of ``t`` when ``t`` is a view of all of it, in order
+    (an N-d Linear's output: a view of its matmul's), else None."""
+    if not t._is_view():
+        return None
+    base = t._base
+    if base is None or base.grad_fn is None or base.numel() != t.numel() \
+            or not (t.is_contiguous() and base.is_contiguous()) \
+            or t.storage_offset() != base.storage_offset():
+        return None
+    return base.grad_fn, base.output_nr

@@ -11,6 +11,7 @@ from torch import nn
 
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
+from driftcheck.record.autograd import whole_base_node
 from driftcheck.record.meta import (backward_meta, floating, is_leaf, kink_profile, kinks_of,
                                     magnitude_sq, norm_gain_sq, piecewise, static_meta, tie_profile)
 
@@ -58,7 +59,7 @@ class ForwardHooks:
                 self._span_start[(name, call)] = self._next_sequence_nr()
                 # Remember each input's autograd node now: an in-place op inside the module
                 # (ReLU(inplace=True)) replaces the tensor's grad_fn during the call.
-                grad_inputs = [(s, t, t.grad_fn, t.output_nr) for s, t in inputs
+                grad_inputs = [(s, t, t.grad_fn, t.output_nr, whole_base_node(t)) for s, t in inputs
                                if t.requires_grad and floating(t)]
                 if grad_inputs:
                     self._call_inputs[(name, call)] = grad_inputs

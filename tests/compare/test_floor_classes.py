@@ -420,3 +420,36 @@ class _Residual(nn.Module):
 def test_random_draws_are_replayed_by_the_local_replay(tmp_path, mode):
     rep = _pair(tmp_path, lambda: _scenario(_Residual, (16, 32)), mode=mode)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- an in-place activation on a view (an N-d Linear's output) -----------------------------------
+class _PositionBias(nn.Module):
+    """Swin v2's continuous position bias: an MLP with ReLU(inplace=True) on a fixed 4-d table;
+    the Linear's output is a view of its matmul, and the in-place ReLU rebases it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cpb = nn.Sequential(nn.Linear(2, 256), nn.ReLU(inplace=True), nn.Linear(256, 4, bias=False))
+        g = torch.Generator().manual_seed(3)
+        self.register_buffer("table", torch.randn(1, 7, 7, 2, generator=g) * 4)
+        self.v = nn.Linear(16, 16)
+
+    def forward(self, x):  # x: (batch, 4 heads, 49, 16)
+        bias = 16 * torch.sigmoid(self.cpb(self.table).reshape(49, 4).t())  # (4, 49)
+        att = torch.softmax(x @ x.transpose(-1, -2) + bias[None, :, None, :], -1)
+        return att @ self.v(x)
+
+
+def test_in_place_activation_on_a_view_keeps_its_gradients(tmp_path):
+    from driftcheck.store import TraceReader
+
+    ref = record(_scenario(_PositionBias, (8, 4, 49, 16)), tmp_path / "r", force=True)
+    keys = {e["key"] for e in TraceReader(ref).entries}
+    assert {"0/backward/cpb.0/0/grad_output", "0/backward/cpb.1/0/grad_input.0"} <= keys
+
+
+@pytest.mark.parametrize("threads", [None, (1, 2)])
+def test_in_place_activation_on_a_view_pass(tmp_path, threads):
+    rep = _pair(tmp_path, lambda: _scenario(_PositionBias, (8, 4, 49, 16)), threads=threads,
+                local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
