@@ -45,6 +45,7 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
         self.findings: list[Finding] = []
         self.warnings: list[str] = []
         self.errors: dict[tuple, Propagated] = {}  # align key -> what later entries inherit
+        self._floors: dict[tuple, tuple[float, float]] = {}  # optimizer entries: (rms, max) floor
         self.ref_entries, self.tgt_entries = entries_of(ref), entries_of(tgt)
         self.truth_entries = entries_of(truth) if truth is not None else []
 

@@ -59,7 +59,7 @@ class Judging:
         # where terms cancel (a key bias's gradient is exactly zero in exact arithmetic) the
         # rounding error scales with the terms, not with their tiny sum.
         mag = max(meta.get("mag_rms") or 0.0, self._magnitude(r))
-        gain = self._norm_gain(r)
+        gain, gain_max = self._norm_gain(r)
         if gain > 1.0:
             details["norm_gain"] = gain
         scale_rms = max(ref_rms, mag)
@@ -86,6 +86,10 @@ class Judging:
             prev = self.errors.get((r.step - 1, "optimizer", r.module, 0, r.slot))
             if prev is not None:
                 extra_rms, extra_max = prev.rms, prev.max
+            # ... and what that entry was allowed: a sample measures other positions there
+            allowed = self._floors.get((r.step - 1, "optimizer", r.module, 0, r.slot))
+            if allowed is not None:
+                extra_rms, extra_max = max(extra_rms, allowed[0]), max(extra_max, allowed[1])
         if r.phase == "optimizer" and r.slot.startswith("param."):
             upd_rms, upd_max = self._update_scale(r)
             extra_rms, extra_max = C_UPDATE * upd_rms, 2.0 * upd_max
@@ -115,9 +119,11 @@ class Judging:
         # A norm subtracting a mean far above the spread amplifies its input's error (and its
         # own rounding of x - mean) by rms/std: the floor's scale, not the value passed on.
         fi = fl.FloorInputs(u=u, u_acc=u_acc, k=k, scale_rms=scale_rms * gain,
-                            scale_max=scale_max * gain, inherited_rms=inh_rms, inherited_max=inh_max,
+                            scale_max=scale_max * gain_max, inherited_rms=inh_rms, inherited_max=inh_max,
                             extra_rms=extra_rms, extra_max=extra_max, tiny=tiny)
         f = fl.floor(fi)
+        if r.phase == "optimizer":
+            self._floors[a] = (f.rms, f.max)
         # A kink inside the module (nn.ReLU) shows in its input gradient; one applied to its
         # output by the code around it (F.relu, x.relu() between two Linears) in its output's.
         if how in ("full", "sample") and r.phase == "backward" \
@@ -175,14 +181,15 @@ class Judging:
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
                      rule=ignore or rule, details=details)
 
-    def _norm_gain(self, r: TraceEntry) -> float:
-        """rms/std of a mean-subtracting norm's input (meta ``norm_gain`` of its output): the
-        factor by which subtracting the mean amplifies the error of its input, for its outputs
-        and its input gradients; 1 for anything else."""
+    def _norm_gain(self, r: TraceEntry) -> tuple[float, float]:
+        """rms/std of a mean-subtracting norm's input (meta ``norm_gain`` of its output, and of
+        its worst group ``norm_gain_max``): the factor by which subtracting the mean amplifies
+        the error of its input, for its outputs and its input gradients; 1 for anything else."""
         if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
-            return 1.0
+            return 1.0, 1.0
         outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
-        return max((float(e.meta.get("norm_gain") or 1.0) for e in outs), default=1.0)
+        g = max((float(e.meta.get("norm_gain") or 1.0) for e in outs), default=1.0)
+        return g, max([g] + [float(e.meta.get("norm_gain_max") or 1.0) for e in outs])
 
     def _logit_max(self, r: TraceEntry) -> float:
         """The largest softmax logit with weight that this module call's own code computed (its

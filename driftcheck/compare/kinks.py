@@ -69,8 +69,11 @@ class Kinks:
         fmeta = xr_e.meta if xr_e is not None else {}
         out_e = self.ref_index.fwd_out.get((r.step, r.module, r.call), [None])[0]
         ometa = out_e.meta if out_e is not None else {}
-        kinks = ometa.get("kinks") or fmeta.get("kinks") or (0.0,)
-        selection = bool(ometa.get("selection") or fmeta.get("selection"))
+        # The module's own kinks shape its input gradient; its output gradient went through
+        # whatever the code around it applied (F.relu: a kink at 0).
+        own = r.slot.startswith("grad_input")
+        kinks = (ometa.get("kinks") or fmeta.get("kinks") if own else None) or (0.0,)
+        selection = own and bool(ometa.get("selection") or fmeta.get("selection"))
         cross = None
         whole = which == "tensor" or r.stats.get("numel") == rt.numel() == (
             xr_e.stats.get("numel") if xr_e is not None else None)  # a sample that is the whole tensor
@@ -100,17 +103,33 @@ class Kinks:
         crossings = int(cross.sum()) if cross is not None else None
         # Without the forward input, allow what rounding near zero typically produces, or (a
         # stats-mode sample) what the input's kink profile says came that close.
+        share = max(4, int(SELECTION_SHARE * rt.numel()))
         if crossings is not None:
             allowed = 2 * crossings + 4
+            if not own:
+                # A kink applied to a sum the module's output is part of (a residual add, then
+                # ReLU): the output's own crossings undercount it.
+                allowed = max(allowed, share)
         else:
-            allowed = max(4, int(SELECTION_SHARE * rt.numel()))
+            allowed = share
             near = self._near_kink(r) if which == "sample" else None
+            if near is None and which == "sample" and xr_e is not None:
+                near = self._near_zero_in_sample(xr_e)
             if near is not None:
                 allowed = max(allowed, 2 * math.ceil(near * rt.numel()) + 4)
         out = dict(out)
         out["kink_flips"] = {"count": n, "allowed": allowed, "forward_crossings": crossings,
                              "unexplained": n > allowed}
         return out
+
+    def _near_zero_in_sample(self, x: TraceEntry) -> float | None:
+        """The fraction of a forward tensor's stats-mode sample within four times its rms error
+        of zero (a kink at 0 the code around a module applied, which has no profile)."""
+        err = self.errors.get(x.align)
+        xs = self.ref.tensor(x.raw, "sample")
+        if err is None or not err.rms or xs is None or not xs.numel():
+            return None
+        return float((xs.double().abs() <= 4.0 * err.rms).double().mean())
 
     def _near_kink(self, r: TraceEntry) -> float | None:
         """The fraction of the forward input (of gradient entry ``r``) within twice its error of

@@ -105,7 +105,8 @@ class Verdict:
         return e.module
 
 
-SEMANTIC = ("batchnorm.", "view.", "inplace.")  # findings that name a defect, not a drift
+# Findings that name a defect for certain (inplace.value_mismatch compares values, which drift)
+SEMANTIC = ("batchnorm.", "view.", "inplace.base_not_updated")
 
 
 def _semantic_cause(findings: list, first: Entry | None):

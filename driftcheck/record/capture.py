@@ -166,7 +166,9 @@ class Capturing:
             if k == "mag_sq":
                 pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
             elif k == "norm_gain_sq":
-                pending[i].entry.setdefault("meta", {})["norm_gain"] = math.sqrt(max(v[0], 1.0))
+                meta = pending[i].entry.setdefault("meta", {})
+                meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
+                meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
             elif k == "logit_absmax":
                 pending[i].entry.setdefault("meta", {})[k] = float(v[0])
             else:  # kink_profile: counts

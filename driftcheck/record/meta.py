@@ -316,7 +316,7 @@ class LogitWatch(TorchFunctionMode):
 
 
 def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """mean over normalization groups of (rms / std)^2 of a mean-subtracting norm's input: how
+    """[mean, max] over normalization groups of (rms / std)^2 of a mean-subtracting norm's input: how
     much subtracting the mean amplifies the input's error (a channel whose mean is far above its
     spread, as after a 1x1 spatial map with batch 2, cancels). On x's device; None for others."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
@@ -336,4 +336,5 @@ def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             return None
         ms = xf.pow(2).mean(dim=dims)
         var = xf.var(dim=dims, unbiased=False)
-        return (ms / (var + eps)).clamp(min=1.0).mean()
+        g = (ms / (var + eps)).clamp(min=1.0).reshape(-1)
+        return torch.stack([g.mean(), g.max()])  # the rms gain^2 and the worst group's

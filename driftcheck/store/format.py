@@ -259,7 +259,7 @@ def _check_meta(i: int, meta: Any) -> None:
         raise FormatError(f"manifest entry {i} meta 'kink_profile' is not a list of counts")
     if meta.get("k_grad") is not None and not (_is_int(meta["k_grad"]) and meta["k_grad"] >= 0):
         raise FormatError(f"manifest entry {i} meta 'k_grad' is not a non-negative integer")
-    for k in ("mag_rms", "logit_absmax", "momentum", "norm_gain"):
+    for k in ("mag_rms", "logit_absmax", "momentum", "norm_gain", "norm_gain_max"):
         v = meta.get(k)
         if not (_is_num(v) and (v is None or v >= 0)):
             raise FormatError(f"manifest entry {i} meta {k!r} is not a non-negative number")

@@ -453,3 +453,48 @@ def test_in_place_activation_on_a_view_pass(tmp_path, threads):
     rep = _pair(tmp_path, lambda: _scenario(_PositionBias, (8, 4, 49, 16)), threads=threads,
                 local=False)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a ReLU applied to a residual sum: the output gradient of each addend is masked by it --------
+class _ResBlock(nn.Module):
+    def __init__(self, c=16):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.down = nn.Sequential(nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += self.down(x)
+        return self.relu(out)
+
+
+class _ResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.Sequential(_ResBlock(), _ResBlock(), _ResBlock())
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(F.relu(self.blocks(self.stem(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+@pytest.mark.parametrize("dtype", ["bf16", "autocast"])
+def test_relu_of_a_residual_sum_pass(tmp_path, mode, dtype):
+    if dtype == "autocast":
+        ref = record(_scenario(_ResNet, (4, 3, 8, 8)), tmp_path / "ref", force=True)
+        ref_m = ref if mode == "full" else record(_scenario(_ResNet, (4, 3, 8, 8)), tmp_path / "rs",
+                                                  force=True, replay=ref, mode=mode)
+        tgt = record(_scenario(_ResNet, (4, 3, 8, 8)), tmp_path / "t", force=True, replay=ref,
+                     mode=mode, autocast="bf16", view_audit=mode == "full")
+        if mode == "full":
+            ref_m = record(_scenario(_ResNet, (4, 3, 8, 8)), tmp_path / "rv", force=True,
+                           replay=ref, view_audit=True)
+        rep = compare(ref_m, tgt)
+    else:
+        rep = _pair(tmp_path, lambda: _scenario(_ResNet, (4, 3, 8, 8)), mode=mode, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
