@@ -137,7 +137,9 @@ class Scales:
                                                        and r.slot.startswith("input")):
             # A module computes in the lowest precision among its inputs (a gate in bf16 beside
             # an fp32 hidden state): its outputs and input gradients carry that rounding.
-            for e in self.ref_index.fwd_in.get((r.step, r.module, r.call), ()):
+            # Its own parameters count too (a norm's bf16 weight times an fp32 hidden state).
+            for e in list(self.ref_index.fwd_in.get((r.step, r.module, r.call), ())) + \
+                    list(self.ref_index.params.get((r.step, r.module), ())):
                 te = self.tgt_map.get(e.align)
                 for d in (e.dtype, te.dtype if te is not None else e.dtype):
                     if dtypes.is_float(d):

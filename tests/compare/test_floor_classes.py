@@ -498,3 +498,32 @@ def test_relu_of_a_residual_sum_pass(tmp_path, mode, dtype):
     else:
         rep = _pair(tmp_path, lambda: _scenario(_ResNet, (4, 3, 8, 8)), mode=mode, local=False)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+class _Fp32Norm(nn.Module):
+    """Mamba's RMSNorm: the residual stream kept in fp32, the weight in the run's dtype."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+
+    def forward(self, h):
+        h = h.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _Fp32Residual(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.norm = _Fp32Norm(d)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.inp(x).float() + 1.0  # an fp32 residual stream
+        return self.out(self.norm(h).to(self.out.weight.dtype))
+
+
+def test_a_module_computes_in_its_parameters_precision_too(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_Fp32Residual, (16, 64)))
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
