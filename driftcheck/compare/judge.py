@@ -15,6 +15,7 @@ from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, 
 
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
+SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq")  # optimizer state of g^2
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
 
 
@@ -79,6 +80,9 @@ class Judging:
         inh = [self.errors.get(d.align, NONE) for d in deps]
         inh_rms = max((x.rel_rms for x in inh), default=0.0)
         inh_max = max((x.rel_max for x in inh), default=0.0)
+        if r.phase == "optimizer" and r.slot.endswith(SQUARED_STATE):
+            # a second moment squares the gradient: twice its relative error, before KAPPA
+            inh_rms, inh_max = 2.0 * inh_rms, 2.0 * inh_max
         u, u_acc = self._u(r, t)
         extra_rms = extra_max = 0.0
         if r.phase == "params" and r.step > 0:
