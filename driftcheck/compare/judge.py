@@ -10,6 +10,7 @@ from typing import Any
 from driftcheck import dtypes
 from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.kinks import KINK_NEAR
 from driftcheck.compare.propagation import NONE, WRONG, Propagated
 from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding
 
@@ -145,6 +146,11 @@ class Judging:
                 if flips:
                     details["kink_estimate"] = flips
                     sparse = max(sparse, flips)
+            if r.phase == "optimizer" and r.slot.startswith("param."):
+                signs = self._update_sign_flips(r, ref_rms)
+                if signs:
+                    details["update_flip_estimate"] = signs
+                    sparse = max(sparse, signs)
             if sparse:
                 e = self.errors[a]
                 self.errors[a] = e._replace(rel_rms=max(e.rel_rms, sparse),
@@ -184,6 +190,26 @@ class Judging:
         return Entry(**base, metrics=m, floor=f.rms, ratio=ratio, status=status,
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
                      rule=ignore or rule, details=details)
+
+    def _update_sign_flips(self, r: TraceEntry, ref_rms: float) -> float:
+        """An adaptive optimizer's first steps are ~lr * sign(g): where a gradient element is
+        within its error of zero the two runs step 2 lr apart. Few and full-size, a sample of
+        the updated parameter rarely holds one, yet the next step computes with all of them:
+        their share of the parameter's rms (2 * update rms * sqrt(p), p the fraction of the
+        gradient's sample within twice its error of zero, or its density near zero from the
+        KINK_NEAR smallest magnitudes), passed on as sparse error (stats mode)."""
+        g = self.ref_index.by_align.get((r.step, "grads", r.module, 0, r.slot))
+        err = self.errors.get(g.align) if g is not None else None
+        gs = self.ref.tensor(g.raw, "sample") if g is not None else None
+        if err is None or not err.rms or gs is None or gs.numel() < 2 * KINK_NEAR or not ref_rms:
+            return 0.0
+        a = gs.double().abs().reshape(-1)
+        n = a.numel()
+        near = float(a.kthvalue(KINK_NEAR).values)
+        dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
+        p = max(float((a <= 2.0 * err.rms).double().mean()), dens)
+        upd_rms, _ = self._update_scale(r)
+        return min(2.0 * upd_rms * math.sqrt(p) / ref_rms, fl.REL_CAP)
 
     def _norm_gain(self, r: TraceEntry) -> tuple[float, float]:
         """rms/std of a mean-subtracting norm's input (meta ``norm_gain`` of its output, and of

@@ -119,10 +119,12 @@ class Scales:
             return 0.0, 0.0
         a, b = reader.tensor(r.raw), reader.tensor(before.raw)
         if (a is None or b is None) and r.stats.get("numel") == before.stats.get("numel"):
-            # Stats mode: samples of a tensor no larger than a sample are the whole tensor, in
-            # order, whatever their keys: the update itself.
+            # Stats mode: samples of the same positions (the entry after the update is sampled
+            # where the one before it is: meta sampled_as), or samples of a tensor no larger than
+            # a sample (the whole tensor, in order, whatever their keys): the update itself.
             a, b = reader.tensor(r.raw, "sample"), reader.tensor(before.raw, "sample")
-            if a is not None and a.numel() != r.stats.get("numel"):
+            same = r.meta.get("sampled_as") == "params"
+            if a is not None and a.numel() != r.stats.get("numel") and not same:
                 a = None
         if a is None or b is None or a.shape != b.shape:
             d_rms = abs(rms_of(r.stats) - rms_of(before.stats))

@@ -81,10 +81,13 @@ class Capturing:
         self._order += 1
         data = t.detach()  # no autograd history: what follows records no graph
         # A local replay's sample holds the positions of the entry it replays: the same key.
-        sk = fmt.key_string(self.step_index, phase, module, call, fmt.base_slot(slot)) \
-            if fmt.is_local_slot(slot) else skey
+        # A parameter or buffer after the update, those of the same tensor before it: the
+        # sample difference is then the step's own update (compare's optimizer floor).
+        sk = fmt.sample_key(self.step_index, phase, module, call, slot)
         if sk != skey:
             entry["sample_key"] = sk
+            if phase == "optimizer":
+                entry.setdefault("meta", {})["sampled_as"] = "params"
         if self.audit is None:
             summary, data = self._take(data, t, module, phase, sk, copy)
         else:

@@ -77,6 +77,18 @@ def key_string(step: int, phase: str, module: str, call: int, slot: str) -> str:
     return f"{step}/{phase}/{module or '.'}/{call}/{slot}"
 
 
+def sample_key(step: int, phase: str, module: str, call: int, slot: str) -> str:
+    """The key whose seeded positions a stats-mode sample holds (stats.sample_indices): the
+    entry's own, except for a local replay (``local.<slot>``: the replayed entry's) and a
+    parameter or buffer after the optimizer step (the same tensor's before it, phase
+    ``params``), so that the two samples hold the same positions."""
+    if is_local_slot(slot):
+        return key_string(step, phase, module, call, base_slot(slot))
+    if phase == "optimizer" and slot.startswith(("param.", "buffer.")):
+        return key_string(step, "params", module, call, slot)
+    return key_string(step, phase, module, call, slot)
+
+
 def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:
     """(step, phase, module, call, slot): what two runs' entries are matched on."""
     return (entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
@@ -267,6 +279,8 @@ def _check_meta(i: int, meta: Any) -> None:
     if kinks is not None and not (isinstance(kinks, list) and len(kinks) <= 16
                                   and all(_is_num(c) and c is not None for c in kinks)):
         raise FormatError(f"manifest entry {i} meta 'kinks' is not a list of numbers")
+    if meta.get("sampled_as") not in (None, "params"):
+        raise FormatError(f"manifest entry {i} meta 'sampled_as' is not \"params\"")
     if meta.get("selection") is not None and not isinstance(meta["selection"], bool):
         raise FormatError(f"manifest entry {i} meta 'selection' is not true or false")
 

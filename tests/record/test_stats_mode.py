@@ -15,6 +15,7 @@ from driftcheck.loader import load_scenario
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.runner import record, train
 from driftcheck.store import TraceReader, TraceWriter
+from driftcheck.store import format as fmt
 from driftcheck.record.tracer import Tracer
 
 
@@ -68,7 +69,8 @@ def test_samples_are_the_full_tensor_at_the_seeded_indices(llama):
     for e in st.entries:
         if "sample" not in e or e["stats"]["numel"] <= stats.SAMPLE_SIZE:
             continue
-        idx = torch.from_numpy(stats.sample_indices(e["key"], e["stats"]["numel"], 0))
+        key = fmt.sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
+        idx = torch.from_numpy(stats.sample_indices(key, e["stats"]["numel"], 0))
         whole = full.tensor(by_key[e["key"]]).reshape(-1)
         assert torch.equal(st.tensor(e, "sample"), whole[idx]), e["key"]
         checked += 1
