@@ -81,11 +81,25 @@ class Judging:
         inh = [self.errors.get(d.align, NONE) for d in deps]
         inh_rms = max((x.rel_rms for x in inh), default=0.0)
         inh_max = max((x.rel_max for x in inh), default=0.0)
+        if meta.get("kind") in ("norm", "batchnorm") and (r.phase, r.slot[:6]) in (
+                ("forward", "output"), ("backward", "grad_i")):
+            # A norm divides by its input's spread: what counts is the error relative to the
+            # input's value, not to the operand magnitude it came with (mu > 1 where it cancelled).
+            inh_rms = max(inh_rms, max((min(x.rel_rms * x.mu, fl.REL_CAP) for x in inh), default=0.0))
+            inh_max = max(inh_max, max((min(x.rel_max * x.mu, fl.REL_CAP) for x in inh), default=0.0))
         if r.phase == "optimizer" and r.slot.endswith(SQUARED_STATE):
             # a second moment squares the gradient: twice its relative error, before KAPPA
             inh_rms, inh_max = 2.0 * inh_rms, 2.0 * inh_max
         u, u_acc = self._u(r, t)
+        if r.phase == "grads" and self._owner_kind(r) in ("norm", "batchnorm"):
+            # A norm kernel's backward sums its parameters' gradients in the storage dtype
+            # (CPU bf16 LayerNorm: 7% on a bias over 512 positions), not in fp32.
+            u_acc = max(u_acc, u)
         extra_rms = extra_max = 0.0
+        if r.phase == "grads" and r.slot == "param.bias" and len(r.shape) == 1:
+            extra_rms, extra_max = self._bias_sum_error(r, how)
+            if extra_rms:
+                details["bias_sum_error"] = extra_rms
         if r.phase == "params" and r.step > 0:
             # The state before step s is the state after step s-1: the same tensor.
             prev = self.errors.get((r.step - 1, "optimizer", r.module, 0, r.slot))
@@ -190,6 +204,55 @@ class Judging:
         return Entry(**base, metrics=m, floor=f.rms, ratio=ratio, status=status,
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
                      rule=ignore or rule, details=details)
+
+    def _owner_kind(self, r: TraceEntry) -> str | None:
+        """The kind of the module a parameter entry belongs to (from its forward output)."""
+        for c in sorted(self.ref_index.calls.get((r.step, r.module), ())):
+            for e in self.ref_index.fwd_out.get((r.step, r.module, c), [])[:1]:
+                return e.meta.get("kind")
+        return None
+
+    def _bias_sum_error(self, r: TraceEntry, how: str) -> tuple[float, float]:
+        """A bias's gradient sums its output gradient over every position: the error that
+        gradient brings adds up coherently where it is shared by the positions (a common
+        component, as a bf16 weight's rounding is), which sqrt(K) growth misses. In full mode
+        it is computed, the target's output gradient minus the reference's summed per channel
+        over every call; from samples it is bounded by positions x the rms error."""
+        s, _, m, _, _ = r.align
+        c_out = r.shape[0]
+        total = own = absum = None
+        bound = 0.0
+        for call in sorted(self.ref_index.calls.get((s, m), ())):
+            for e in self.ref_index.gout.get((s, m, call), [])[:1]:
+                t = self.tgt_map.get(e.align)
+                err = self.errors.get(e.align)
+                if t is None or len(e.shape) < 1:
+                    continue
+                dim = 1 if len(e.shape) > 1 and e.shape[1] == c_out and e.shape[-1] != c_out else -1
+                if e.shape[dim] != c_out:
+                    continue
+                a = self.ref.tensor(e.raw) if how == "full" else None
+                b = self.tgt.tensor(t.raw) if a is not None else None
+                if a is not None and b is not None and a.shape == b.shape:
+                    bt = b.double().movedim(dim, -1).reshape(-1, c_out)
+                    d = bt.sum(0) - a.double().movedim(dim, -1).reshape(-1, c_out).sum(0)
+                    total = d if total is None else total + d
+                    own = bt.sum(0) if own is None else own + bt.sum(0)
+                    k = bt.abs().sum(0) * bt.shape[0]
+                    absum = k if absum is None else absum + k
+                elif err is not None:
+                    bound += (e.stats.get("numel") or 0) / c_out * err.rms
+        if total is not None:
+            # ... and what the target's kernel lost summing it (a bf16 sum of near-equal terms
+            # stagnates), measured against its own output gradient, within the worst-case
+            # bound K u sum|g| of a sum in its dtype (Higham, Accuracy and Stability, 4.2)
+            t = self.tgt_map.get(r.align)
+            tb = self.tgt.tensor(t.raw) if t is not None else None
+            if tb is not None and tb.shape == own.shape and absum is not None:
+                lost = (tb.double() - own).abs().minimum(dtypes.unit_roundoff(t.dtype) * absum)
+                total = total.abs() + lost
+            return float(total.pow(2).mean().sqrt()), float(total.abs().max())
+        return bound, bound
 
     def _update_sign_flips(self, r: TraceEntry, ref_rms: float) -> float:
         """An adaptive optimizer's first steps are ~lr * sign(g): where a gradient element is

@@ -46,6 +46,9 @@ class Scales:
             return rms_of(r.stats) * (mu * mu if sq else mu)
         if ph in ("optimizer", "params") and slot.endswith("running_mean"):
             return self._running_mean_magnitude(r)
+        if ph == "backward" and slot.startswith("grad_input") \
+                and r.meta.get("kind") in ("norm", "batchnorm"):
+            return self._norm_grad_magnitude(r)
         if ph != "grads":
             return 0.0
         g2 = x2 = g_n = 0.0
@@ -71,6 +74,24 @@ class Scales:
         if len(r.shape) == 1 and out_ch == r.shape[0]:
             return math.sqrt(g2 / numel)  # a bias (or a norm's per-channel parameter)
         return 0.0
+
+    def _norm_grad_magnitude(self, r: TraceEntry) -> float:
+        """A norm's input gradient is (gamma / sigma) (g - mean(g) - xhat mean(g xhat)): where
+        a group holds few values (batch 2 over a 1x1 map: BatchNorm after global pooling) the
+        projections cancel it to ~0 and its rounding scales with the terms, rms(g) |gamma| /
+        sigma, estimated as rms(g) rms(y) gain / rms(x) from the call's output gradient,
+        output and input (gain = rms/std of the input, meta norm_gain)."""
+        s, _, m, c, _ = r.align
+        key = (s, m, c)
+        g, y, x = (self.ref_index.gout.get(key, [None])[:1], self.ref_index.fwd_out.get(key, [None])[:1],
+                   self.ref_index.fwd_in.get(key, [None])[:1])
+        if not (g and y and x) or None in (g[0], y[0], x[0]):
+            return 0.0
+        rx = rms_of(x[0].stats)
+        if not rx:
+            return 0.0
+        gain = float(y[0].meta.get("norm_gain") or 1.0)
+        return rms_of(g[0].stats) * rms_of(y[0].stats) * gain / rx
 
     def _running_mean_magnitude(self, r: TraceEntry) -> float:
         """A BatchNorm's running mean adds momentum x the batch mean of its input each call:

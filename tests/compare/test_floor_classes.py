@@ -527,3 +527,45 @@ class _Fp32Residual(nn.Module):
 def test_a_module_computes_in_its_parameters_precision_too(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_Fp32Residual, (16, 64)))
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a BatchNorm over two values per channel (after global pooling, batch 2) ---------------------
+class _PooledBn(nn.Module):
+    """DeepLabv3's ASPP pooling branch and selective-kernel attention: global average pooling,
+    a 1x1 convolution and a BatchNorm, batch 2: each channel normalizes two values, and its
+    input gradient cancels to almost nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.proj = nn.Conv2d(16, 16, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        a = torch.relu(self.bn(self.proj(h.mean((2, 3), keepdim=True))))
+        return self.head((h * torch.sigmoid(a)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("threads", [None, (1, 2)])
+def test_batchnorm_of_two_values_pass(tmp_path, threads):
+    rep = _pair(tmp_path, lambda: _scenario(_PooledBn, (2, 3, 8, 8)), threads=threads)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a norm's parameter gradients, summed by its own kernel in the storage dtype -----------------
+class _TokenNorm(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.head(self.norm(self.embed(x)) + 0.5).mean(1)
+
+
+def test_norm_parameter_gradients_over_many_positions_pass(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_TokenNorm, (2, 512, 8)), local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
