@@ -22,8 +22,9 @@ FAMILIES = list(hf.FAMILIES)
 
 # PyTorch's CPU LayerNorm backward accumulates the weight/bias gradients of a bf16 tensor in low
 # precision: over ConvNeXt's 56x56 positions that loses 5-70% of those gradients (a plain bf16
-# sum with fp32 accumulation loses 0.2%). driftcheck reports it; it is a real finding, not noise.
-KNOWN_CPU_BF16_DEFECTS = {"convnext": ("grads", "LayerNorm")}
+# sum with fp32 accumulation loses 0.2%). driftcheck names it (a warning finding, measured
+# against the target's own output gradient); a clean bf16 run passes.
+LOW_PRECISION_SUMS = {"convnext"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -34,14 +35,10 @@ def test_family_bf16_passes_and_fault_is_localized(family, tmp_path):
     assert r["localized"], r
     assert r["tensors"] > 50
     assert not r["errors"], r
-    if family in KNOWN_CPU_BF16_DEFECTS:
-        phase, _ = KNOWN_CPU_BF16_DEFECTS[family]
-        assert r["verdict"] == "fail"
-        assert {e.phase for e in r["report"].entries if e.status == "drift"} == {phase}
-        assert all("layernorm" in e.module or "downsampling_layer.0" in e.module
-                   for e in r["report"].entries if e.status == "drift")
-    else:
-        assert r["verdict"] == "pass", r
+    assert r["verdict"] == "pass", r
+    sums = {f.module for f in r["report"].findings if f.kind == "precision.low_precision_sum"}
+    if family in LOW_PRECISION_SUMS:
+        assert sums and all("layernorm" in m or "downsampling_layer.0" in m for m in sums), sums
 
 
 def test_resnet_batchnorm_audit_clean_and_faulty(tmp_path):

@@ -16,6 +16,7 @@ from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, 
 
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
+LOW_PRECISION_SUM = 0.01  # a kernel's own sum off by this share of it: named (a warning)
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq")  # optimizer state of g^2
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
 
@@ -249,8 +250,20 @@ class Judging:
             t = self.tgt_map.get(r.align)
             tb = self.tgt.tensor(t.raw) if t is not None else None
             if tb is not None and tb.shape == own.shape and absum is not None:
-                lost = (tb.double() - own).abs().minimum(dtypes.unit_roundoff(t.dtype) * absum)
+                gap = (tb.double() - own).abs()
+                lost = gap.minimum(dtypes.unit_roundoff(t.dtype) * absum)
                 total = total.abs() + lost
+                share = float(gap.pow(2).mean().sqrt()) / max(float(own.pow(2).mean().sqrt()), 1e-300)
+                if share > LOW_PRECISION_SUM and not any(
+                        f.kind == "precision.low_precision_sum" and f.module == m for f in self.findings):
+                    self.findings.append(Finding(
+                        "precision.low_precision_sum", m, s,
+                        f"{r.key}: the target's kernel summed this gradient over "
+                        f"{self._grad_terms(r)} "
+                        f"positions in low precision: it differs from the sum of the target's own "
+                        f"output gradient by {100 * share:.3g}% (rms); within the worst case of a "
+                        f"{t.dtype} sum, not judged as drift", phase="grads", key=r.key,
+                        severity="warning", details={"share": share}))
             return float(total.pow(2).mean().sqrt()), float(total.abs().max())
         return bound, bound
 

@@ -57,7 +57,8 @@ FINDING_KINDS = frozenset({
     "batchnorm.running_stats_wrong", "batchnorm.updated_in_eval",
     "inplace.base_not_updated", "inplace.value_mismatch",
     "nonfinite.origin", "nonfinite.reference",
-    "precision.fp8_casts", "precision.fp8_saturation", "precision.settings_differ",
+    "precision.fp8_casts", "precision.fp8_saturation", "precision.low_precision_sum",
+    "precision.settings_differ",
     "view.alias_lost", "view.layout_mismatch",
 })
 
