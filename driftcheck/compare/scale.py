@@ -8,12 +8,16 @@ import math
 from typing import Any
 
 from driftcheck import dtypes
+from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.kinks import KINK_NEAR
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
+from driftcheck.report import Finding
 from driftcheck.store.reader import TraceReader
 
 MATMUL_KINDS = ("linear", "conv", "composite")
+LOW_PRECISION_SUM = 0.01  # a kernel's own sum off by this share of it: named (a warning)
 
 
 
@@ -173,3 +177,103 @@ class Scales:
                 u = max(u, _matmul_roundoff(run, e.dtype, r.phase, kind))
         u_acc = max(dtypes.accumulation_roundoff(r.dtype), dtypes.accumulation_roundoff(t.dtype))
         return u, u_acc
+
+    def _owner_kind(self, r: TraceEntry) -> str | None:
+        """The kind of the module a parameter entry belongs to (from its forward output)."""
+        for c in sorted(self.ref_index.calls.get((r.step, r.module), ())):
+            for e in self.ref_index.fwd_out.get((r.step, r.module, c), [])[:1]:
+                return e.meta.get("kind")
+        return None
+
+    def _bias_sum_error(self, r: TraceEntry, how: str) -> tuple[float, float]:
+        """A bias's gradient sums its output gradient over every position: the error that
+        gradient brings adds up coherently where it is shared by the positions (a common
+        component, as a bf16 weight's rounding is), which sqrt(K) growth misses. In full mode
+        it is computed, the target's output gradient minus the reference's summed per channel
+        over every call; from samples it is bounded by positions x the rms error."""
+        s, _, m, _, _ = r.align
+        c_out = r.shape[0]
+        total = own = absum = None
+        bound = 0.0
+        for call in sorted(self.ref_index.calls.get((s, m), ())):
+            for e in self.ref_index.gout.get((s, m, call), [])[:1]:
+                t = self.tgt_map.get(e.align)
+                err = self.errors.get(e.align)
+                if t is None or len(e.shape) < 1:
+                    continue
+                dim = 1 if len(e.shape) > 1 and e.shape[1] == c_out and e.shape[-1] != c_out else -1
+                if e.shape[dim] != c_out:
+                    continue
+                a = self.ref.tensor(e.raw) if how == "full" else None
+                b = self.tgt.tensor(t.raw) if a is not None else None
+                if a is not None and b is not None and a.shape == b.shape:
+                    bt = b.double().movedim(dim, -1).reshape(-1, c_out)
+                    d = bt.sum(0) - a.double().movedim(dim, -1).reshape(-1, c_out).sum(0)
+                    total = d if total is None else total + d
+                    own = bt.sum(0) if own is None else own + bt.sum(0)
+                    k = bt.abs().sum(0) * bt.shape[0]
+                    absum = k if absum is None else absum + k
+                elif err is not None:  # sparse: what its sample could not show
+                    bound += (e.stats.get("numel") or 0) / c_out * max(
+                        err.rms, err.sparse * rms_of(e.stats))
+        if total is not None:
+            # ... and what the target's kernel lost summing it (a bf16 sum of near-equal terms
+            # stagnates), measured against its own output gradient, within the worst-case
+            # bound K u sum|g| of a sum in its dtype (Higham, Accuracy and Stability, 4.2)
+            t = self.tgt_map.get(r.align)
+            tb = self.tgt.tensor(t.raw) if t is not None else None
+            if tb is not None and tb.shape == own.shape and absum is not None:
+                gap = (tb.double() - own).abs()
+                lost = gap.minimum(dtypes.unit_roundoff(t.dtype) * absum)
+                total = total.abs() + lost
+                share = float(gap.pow(2).mean().sqrt()) / max(float(own.pow(2).mean().sqrt()), 1e-300)
+                if share > LOW_PRECISION_SUM and not any(
+                        f.kind == "precision.low_precision_sum" and f.module == m for f in self.findings):
+                    self.findings.append(Finding(
+                        "precision.low_precision_sum", m, s,
+                        f"{r.key}: the target's kernel summed this gradient over "
+                        f"{self._grad_terms(r)} "
+                        f"positions in low precision: it differs from the sum of the target's own "
+                        f"output gradient by {100 * share:.3g}% (rms); within the worst case of a "
+                        f"{t.dtype} sum, not judged as drift", phase="grads", key=r.key,
+                        severity="warning", details={"share": share}))
+            return float(total.pow(2).mean().sqrt()), float(total.abs().max())
+        return bound, bound
+
+    def _update_sign_flips(self, r: TraceEntry, ref_rms: float) -> float:
+        """An adaptive optimizer's first steps are ~lr * sign(g): where a gradient element is
+        within its error of zero the two runs step 2 lr apart. Few and full-size, a sample of
+        the updated parameter rarely holds one, yet the next step computes with all of them:
+        their share of the parameter's rms (2 * update rms * sqrt(p), p the fraction of the
+        gradient's sample within twice its error of zero, or its density near zero from the
+        KINK_NEAR smallest magnitudes), passed on as sparse error (stats mode)."""
+        g = self.ref_index.by_align.get((r.step, "grads", r.module, 0, r.slot))
+        err = self.errors.get(g.align) if g is not None else None
+        gs = self.ref.tensor(g.raw, "sample") if g is not None else None
+        if err is None or not err.rms or gs is None or gs.numel() < 2 * KINK_NEAR or not ref_rms:
+            return 0.0
+        a = gs.double().abs().reshape(-1)
+        n = a.numel()
+        near = float(a.kthvalue(KINK_NEAR).values)
+        dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
+        p = max(float((a <= 2.0 * err.rms).double().mean()), dens)
+        upd_rms, _ = self._update_scale(r)
+        return min(2.0 * upd_rms * math.sqrt(p) / ref_rms, fl.REL_CAP)
+
+    def _norm_gain(self, r: TraceEntry) -> tuple[float, float]:
+        """rms/std of a mean-subtracting norm's input (meta ``norm_gain`` of its output, and of
+        its worst group ``norm_gain_max``): the factor by which subtracting the mean amplifies
+        the error of its input, for its outputs and its input gradients; 1 for anything else."""
+        if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
+            return 1.0, 1.0
+        outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+        g = max((float(e.meta.get("norm_gain") or 1.0) for e in outs), default=1.0)
+        return g, max([g] + [float(e.meta.get("norm_gain_max") or 1.0) for e in outs])
+
+    def _logit_max(self, r: TraceEntry) -> float:
+        """The largest softmax logit with weight that this module call's own code computed (its
+        outputs and input gradients go through that softmax); 0 for anything else."""
+        if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
+            return 0.0
+        outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+        return max((float(e.meta.get("logit_absmax") or 0.0) for e in outs), default=0.0)
