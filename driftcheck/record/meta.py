@@ -76,9 +76,10 @@ _KINKS_BY_NAME = (("hardswish", (-3.0, 3.0)), ("hard_swish", (-3.0, 3.0)),
                   ("hardsigmoid", (-3.0, 3.0)), ("hard_sigmoid", (-3.0, 3.0)),
                   ("hardmish", (-2.0, 0.0)), ("hard_mish", (-2.0, 0.0)),
                   ("relu6", (0.0, 6.0)), ("relu", (0.0,)), ("threshold", (0.0,)))
-# Ops that select among their inputs (max/min pooling, top-k routing): rounding flips the
-# choice where two candidates tie within it; their gradient then moves to another element.
-_SELECTION_NAMES = ("maxpool", "max_pool", "minpool", "topk", "top_k", "argmax")
+# Ops that select among their inputs (max/min pooling): rounding flips the choice where two
+# candidates tie within it; their gradient then moves to another element. (A top-k router is
+# not one: a flipped expert changes its token's whole input gradient row, not one element.)
+_SELECTION_NAMES = ("maxpool", "max_pool", "minpool", "min_pool")
 
 
 def piecewise(m: nn.Module) -> dict[str, Any]:
