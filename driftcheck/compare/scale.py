@@ -17,6 +17,7 @@ from driftcheck.report import Finding
 from driftcheck.store.reader import TraceReader
 
 MATMUL_KINDS = ("linear", "conv", "composite")
+AUTOCAST_U = {n: dtypes.unit_roundoff(n) for n in ("bf16", "bfloat16", "fp16", "float16")}
 LOW_PRECISION_SUM = 0.01  # a kernel's own sum off by this share of it: named (a warning)
 
 
@@ -171,6 +172,12 @@ class Scales:
                 for d in (e.dtype, te.dtype if te is not None else e.dtype):
                     if dtypes.is_float(d):
                         u = max(u, dtypes.unit_roundoff(d))
+            # Under autocast any op may run in the autocast dtype whatever dtype its tensors
+            # are stored in (a LayerNorm whose fp32 tensors carry bf16 rounding).
+            for run in (self.ref.run, self.tgt.run):
+                cast = run.get("autocast") or (run.get("precision") or {}).get("autocast")
+                if isinstance(cast, str) and cast in AUTOCAST_U:
+                    u = max(u, AUTOCAST_U[cast])
         kind = r.meta.get("kind")
         if r.phase in ("forward", "backward", "loss") and (kind in MATMUL_KINDS or r.phase == "loss"):
             for run, e in ((self.ref.run, r), (self.tgt.run, t)):

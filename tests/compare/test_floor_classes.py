@@ -569,3 +569,19 @@ class _TokenNorm(nn.Module):
 def test_norm_parameter_gradients_over_many_positions_pass(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_TokenNorm, (2, 512, 8)), local=False)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- autocast: fp32 tensors computed in bf16 -----------------------------------------------------
+def test_autocast_op_with_fp32_tensors_pass(tmp_path):
+    """MPNet under autocast bf16 (from the corpus): its post-attention LayerNorm has fp32 input
+    and output yet carries bf16 rounding (ratio 85 with the fp32 roundoff)."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from driftcheck.loader import load_scenario
+
+    spec = f"{Path(__file__).resolve().parents[2] / 'bench' / 'zoo.py'}:hf_mpnet"
+    ref = record(load_scenario(spec), tmp_path / "ref", force=True, steps=1)
+    tgt = record(load_scenario(spec), tmp_path / "t", force=True, replay=ref, autocast="bf16", steps=1)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
