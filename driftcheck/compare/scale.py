@@ -172,8 +172,10 @@ class Scales:
                 for d in (e.dtype, te.dtype if te is not None else e.dtype):
                     if dtypes.is_float(d):
                         u = max(u, dtypes.unit_roundoff(d))
+        if r.phase in ("forward", "backward"):
             # Under autocast any op may run in the autocast dtype whatever dtype its tensors
-            # are stored in (a LayerNorm whose fp32 tensors carry bf16 rounding).
+            # are stored in (a LayerNorm whose fp32 tensors carry bf16 rounding), the code
+            # between submodules included.
             for run in (self.ref.run, self.tgt.run):
                 cast = run.get("autocast") or (run.get("precision") or {}).get("autocast")
                 if isinstance(cast, str) and cast in AUTOCAST_U:
@@ -280,7 +282,12 @@ class Scales:
     def _logit_max(self, r: TraceEntry) -> float:
         """The largest softmax logit with weight that this module call's own code computed (its
         outputs and input gradients go through that softmax); 0 for anything else."""
-        if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
+        if r.phase not in ("forward", "backward") or r.slot.startswith("grad_output"):
             return 0.0
-        outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+        call = (r.step, r.module, r.call)
+        if r.slot.startswith("input"):  # computed by the parent's code, its softmax included
+            call = self.ref_index.parent_of(r)
+            if call is None:
+                return 0.0
+        outs = self.ref_index.fwd_out.get(call, ())
         return max((float(e.meta.get("logit_absmax") or 0.0) for e in outs), default=0.0)
