@@ -7,7 +7,6 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from driftcheck import dtypes
-from driftcheck.errors import DriftcheckError
 from driftcheck.report import NONFINITE, Entry, Finding
 
 
@@ -127,15 +126,11 @@ def _view_tolerance(c: Any) -> Callable[[dict[str, Any], dict[str, Any]], float]
     dtype), plus the largest relative error this comparison measured at that step: the values
     written are computed upstream and carry its drift (an fp32 target with a defect elsewhere,
     autocast), which is not the view's doing. Capped: a write that lands wrong still shows."""
+    from driftcheck.compare.scale import autocast_roundoff
+
     us = []
     for run in (c.ref.run, c.tgt.run):
-        us.append(dtypes.unit_roundoff(str(run.get("dtype") or "float32")))
-        cast = run.get("autocast") or (run.get("precision") or {}).get("autocast")
-        if isinstance(cast, str):
-            try:
-                us.append(dtypes.unit_roundoff(cast))
-            except DriftcheckError:  # an unknown name: the run's dtype stands
-                pass
+        us += [dtypes.unit_roundoff(str(run.get("dtype") or "float32")), autocast_roundoff(run)]
     drift: dict[int, float] = {}
     for (step, phase, *_), err in c.errors.items():
         if phase in ("forward", "backward", "loss"):

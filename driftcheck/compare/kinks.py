@@ -31,6 +31,15 @@ def crossing(xr: torch.Tensor, xt: torch.Tensor, kinks: list[float] | tuple[floa
     return out
 
 
+def density_near_zero(x: torch.Tensor, err: float) -> float:
+    """The fraction of a sample within 2 ``err`` of zero, estimated from its KINK_NEAR smallest
+    magnitudes (the density taken as flat below them, as for any smooth distribution)."""
+    a = x.double().abs().reshape(-1)
+    n = a.numel()
+    near = float(a.kthvalue(KINK_NEAR).values)
+    return KINK_NEAR / n * min(1.0, 2.0 * err / near) if near > 0 else KINK_NEAR / n
+
+
 SELECTION_SHARE = 0.01  # a selecting op's gradient: at most this share of elements may move
 
 
@@ -183,6 +192,5 @@ class Kinks:
             if zeros < KINK_ZEROS or abs(zeros - float((xr64 <= 0).double().mean())) > KINK_ZEROS:
                 return None
         close = crossing(xr, xt)
-        near = float(xr64.abs().kthvalue(KINK_NEAR).values)
-        dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
+        dens = density_near_zero(xr64, err.rms)
         return math.sqrt(max(int(close.sum()) / n, dens, (seen or {}).get("count", 0) / n))

@@ -10,7 +10,7 @@ from typing import Any
 from driftcheck import dtypes
 from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
-from driftcheck.compare.kinks import KINK_NEAR
+from driftcheck.compare.kinks import KINK_NEAR, density_near_zero
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
 from driftcheck.report import Finding
@@ -31,6 +31,12 @@ def _matmul_roundoff(run: dict[str, Any], dtype: str, phase: str, kind: str | No
         return effective_matmul_roundoff(settings, dtype, phase=phase, op=op)
     except (ImportError, TypeError, KeyError, ValueError):
         return dtypes.unit_roundoff(dtype)
+
+
+def autocast_roundoff(run: dict[str, Any]) -> float:
+    """The unit roundoff of a run's autocast dtype (0 without autocast, or an unknown one)."""
+    cast = run.get("autocast") or (run.get("precision") or {}).get("autocast")
+    return AUTOCAST_U.get(cast, 0.0) if isinstance(cast, str) else 0.0
 
 
 class Scales:
@@ -176,10 +182,7 @@ class Scales:
             # Under autocast any op may run in the autocast dtype whatever dtype its tensors
             # are stored in (a LayerNorm whose fp32 tensors carry bf16 rounding), the code
             # between submodules included.
-            for run in (self.ref.run, self.tgt.run):
-                cast = run.get("autocast") or (run.get("precision") or {}).get("autocast")
-                if isinstance(cast, str) and cast in AUTOCAST_U:
-                    u = max(u, AUTOCAST_U[cast])
+            u = max([u] + [autocast_roundoff(run) for run in (self.ref.run, self.tgt.run)])
         kind = r.meta.get("kind")
         if r.phase in ("forward", "backward", "loss") and (kind in MATMUL_KINDS or r.phase == "loss"):
             for run, e in ((self.ref.run, r), (self.tgt.run, t)):
@@ -262,10 +265,7 @@ class Scales:
         if err is None or not err.rms or gs is None or gs.numel() < 2 * KINK_NEAR or not ref_rms:
             return 0.0
         a = gs.double().abs().reshape(-1)
-        n = a.numel()
-        near = float(a.kthvalue(KINK_NEAR).values)
-        dens = KINK_NEAR / n * min(1.0, 2.0 * err.rms / near) if near > 0 else KINK_NEAR / n
-        p = max(float((a <= 2.0 * err.rms).double().mean()), dens)
+        p = max(float((a <= 2.0 * err.rms).double().mean()), density_near_zero(a, err.rms))
         upd_rms, _ = self._update_scale(r)
         return min(2.0 * upd_rms * math.sqrt(p) / ref_rms, fl.REL_CAP)
 

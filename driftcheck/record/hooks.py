@@ -12,7 +12,7 @@ from torch import nn
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
 from driftcheck.record.autograd import whole_base_node
-from driftcheck.record.meta import (backward_meta, floating, is_leaf, kink_profile, kinks_of,
+from driftcheck.record.meta import (backward_meta, floating, is_leaf, kink_profile,
                                     magnitude_sq, norm_gain_sq, piecewise, static_meta, tie_profile)
 
 
@@ -37,8 +37,8 @@ class ForwardHooks:
             if self._capturing("forward"):
                 kinks = self._kinks.get(name, False)
                 if kinks is False:  # a module's kinks (a max pool's: "ties") do not change
-                    kinks = self._kinks[name] = kinks_of(module) or \
-                        ("ties" if piecewise(module).get("selection") else None)
+                    pw = piecewise(module) if is_leaf(module) else {}
+                    kinks = self._kinks[name] = pw.get("kinks") or ("ties" if pw.get("selection") else None)
                 kink = kinks is not None and not self._full(name) and self._capturing("backward")
                 for i, (slot, t) in enumerate(inputs):
                     dev_meta = None

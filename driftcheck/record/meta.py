@@ -213,11 +213,6 @@ def tie_profile(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return kink_profile_of(gap.reshape(-1), xf.abs().amax())
 
 
-def kinks_of(m: nn.Module) -> list[float] | None:
-    """The kinks of a piecewise leaf module (None for anything else)."""
-    return piecewise(m).get("kinks") if is_leaf(m) else None
-
-
 def kink_profile(x: torch.Tensor, kinks: list[float] | tuple[float, ...] = (0.0,)) -> torch.Tensor:
     """counts[k] = elements whose distance to the nearest kink is <= absmax(x) * 2^-k (finite
     ones; k = 0..KINK_BINS, elements on a kink in every bin), on x's device: no sync."""
