@@ -211,8 +211,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         for c in r["controls"]:
             if c["verdict"] == "pass":
                 continue
-            if c["verdict"] == "error":
-                out.append(f"| {r['name']} | {c['control']} | {c['mode']} | {_loc(c['local'])} | error | - | {c['error']} |")
+            if c["verdict"] in ("error", "n/a"):  # n/a: the model's own code cannot run it
+                out.append(f"| {r['name']} | {c['control']} | {c['mode']} | {_loc(c['local'])} | {c['verdict']} | - | {c['error']} |")
                 continue
             e = (c.get("worst") or [{}])[0]
             kinds = collections.Counter(f["kind"] for f in c.get("errors", []) if f.get("gate") != "ignored")
