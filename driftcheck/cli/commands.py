@@ -135,6 +135,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
             simulate=simulate, parallel=parallel,
             on_step=lambda i, n: p.update(task, completed=i, total=n)))
+    from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
     reader = TraceReader(out)
@@ -148,7 +149,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
         for f in reader.manifest.get("findings", []):
             seen[(f["kind"], f["module"])] = seen.get((f["kind"], f["module"]), 0) + 1
         for (kind, module), n in seen.items():
-            click.echo(f"finding {kind} in {module or '(model)'} ({n} call(s)); driftcheck compare shows it")
+            click.echo(f"finding {kind} in {module_label(module)} ({n} call(s)); driftcheck compare shows it")
 
 
 
@@ -211,7 +212,9 @@ def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | 
         raise DriftcheckError("nothing to do: pass --html FILE, --junit FILE, --summary-md FILE or --json FILE")
     _write_outputs(rep, json_path, html_path, junit_path, md_path)
     if not obj.quiet:
-        click.echo(f"{rep.verdict.upper()} {rep.decided_by}",
+        from driftcheck.report.common import conclusion
+
+        click.echo(f"{rep.verdict.upper()} {conclusion(rep)}",
                    err="-" in (json_path, html_path, junit_path, md_path))
     raise SystemExit(EXIT_PASS if rep else EXIT_FAIL)
 

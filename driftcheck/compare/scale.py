@@ -243,7 +243,7 @@ class Scales:
                         f.kind == "precision.low_precision_sum" and f.module == m for f in self.findings):
                     self.findings.append(Finding(
                         "precision.low_precision_sum", m, s,
-                        f"{r.key}: the target's kernel summed this gradient over "
+                        f"{r.slot} gradient, step {s}: the target's kernel summed it over "
                         f"{self._grad_terms(r)} "
                         f"positions in low precision: it differs from the sum of the target's own "
                         f"output gradient by {100 * share:.3g}% (rms); within the worst case of a "

@@ -12,7 +12,7 @@ from typing import Any
 from driftcheck.report import Entry, Finding, as_float, worst
 from driftcheck.store.format import PHASES, kind_matches
 
-__all__ = ["KIND_HELP", "explain_kind", "fmt", "as_float", "execution_order", "worst",
+__all__ = ["KIND_HELP", "ROOT", "conclusion", "explain_kind", "fmt", "as_float", "execution_order", "entry_words", "module_label", "precision_pair", "worst",
            "entry_limit", "finding_state", "FAILING"]
 
 # Entry statuses that fail the gate.
@@ -107,3 +107,118 @@ def entry_limit(entry: Entry) -> tuple[float, str]:
 def finding_state(finding: Finding) -> str:
     """"fails gate", "ignored" or "warning": what compare's policy made of the finding."""
     return finding.gate or "warning"
+
+
+ROOT = "(model)"  # the model's root module, in every renderer (trace keys spell it ".")
+
+
+def module_label(module: str | None) -> str:
+    """A module path for people: the root is ``(model)`` everywhere."""
+    return module if module and module != "." else ROOT
+
+
+def precision_words(run: dict[str, Any]) -> str:
+    """A run's precision in a few words: ``bfloat16``, ``float32 under bf16 autocast``,
+    ``float32 with fp8 (hybrid) Linear layers``, ``float32 at matmul precision 'high'``."""
+    prec = run.get("precision") or {}
+    dtype = str(run.get("dtype") or prec.get("dtype") or "?").removeprefix("torch.")
+    words = dtype
+    autocast = run.get("autocast") or prec.get("autocast")
+    if autocast:
+        words += f" under {autocast if isinstance(autocast, str) else 'low-precision'} autocast"
+    fp8 = run.get("fp8") or prec.get("fp8")
+    if fp8:
+        words += f" with fp8 ({fp8}) Linear layers"
+    matmul = prec.get("matmul_precision")
+    if matmul and matmul != "highest":
+        words += f" at float32 matmul precision {matmul!r}"
+    return words
+
+
+def precision_pair(report: Any) -> str:
+    """What the noise floor allows for, in words: ``bfloat16 vs float32``, or the run's threads
+    and kernels when both runs use the same precision."""
+    ref, tgt = precision_words(report.reference), precision_words(report.target)
+    return f"{tgt} vs {ref}" if ref != tgt else f"{tgt} rounding"
+
+
+def entry_words(module: str | None, phase: str, slot: str) -> str:
+    """An entry in words: ``conv2's forward output``, ``the gradient of fc.weight``,
+    ``bn1.running_mean after the optimizer step``."""
+    mod = module_label(module)
+    kind, _, name = slot.partition(".")
+    dotted = f"{mod}.{name}" if module and module != "." else name
+    if phase == "forward":
+        return f"{mod}'s forward {'output' if kind == 'output' else slot.replace('.', ' ')}"
+    if phase == "backward":
+        which = {"grad_output": "output", "grad_input": "input"}.get(kind)
+        return f"{mod}'s {which} gradient{'' if name in ('', '0') else ' ' + name}" if which else f"{mod}'s {slot}"
+    if phase == "grads":
+        return f"the gradient of {dotted}"
+    if phase == "optimizer":
+        return (f"{mod}'s optimizer state {name}" if kind == "state"
+                else f"{dotted} after the optimizer step")
+    if phase == "params":
+        return f"{dotted} before the first step"
+    if phase == "loss":
+        return "the loss"
+    return f"{mod}'s {phase} {slot}"
+
+
+def conclusion(report: Any) -> str:
+    """The report's conclusion in one sentence, in the user's words: what diverged, by how much
+    against what precision explains, and whether that is a defect or the price of precision."""
+    entries = report.entries
+    judged = [e for e in entries if e.ratio is not None and e.status != "ignored"]
+    pair = precision_pair(report)
+    fd = report.first_divergence or {}
+    failing_findings = [f for f in report.findings if finding_state(f) == "fails gate"]
+    if report.verdict == "pass":
+        top = worst(judged, 1)
+        if not top:
+            return f"The target matches the reference: {len(entries)} tensors, none judged."
+        e = top[0]
+        return (f"The target matches the reference: all {len(judged)} tensors are within what {pair} "
+                f"explains (the worst, {entry_words(e.module, e.phase, e.slot)}, is at "
+                f"{fmt(as_float(e.ratio))}x its noise floor).")
+    if fd.get("status") == "finding":
+        kind = fd.get("finding") or fd.get("slot", "")
+        mods = sorted({module_label(f.module) for f in failing_findings if f.kind == kind})
+        listed = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+        listed = listed or module_label(fd.get("module"))
+        what = _first_clause(str(fd.get("where") or ""), fd.get("module"))
+        return (f"{explain_kind(kind)[0]} in {len(mods) or 1} module{'s' if len(mods) > 1 else ''} "
+                f"({listed}) from step {fd.get('step')}: {what}. A defect on the target, not precision.")
+    if fd:
+        what = f"{entry_words(fd.get('module'), fd.get('phase', ''), fd.get('slot', ''))} at step {fd.get('step')}"
+        blame = fd.get("blame_module")
+        if blame is not None and blame != fd.get("module"):
+            what += f" (made by {module_label(blame)})"
+        if fd.get("status") == "nonfinite":
+            return f"{what} has NaN/Inf where the reference is finite: overflow or a defect on the target."
+        ratio = as_float(fd.get("local_ratio"))
+        own = ratio is not None and ratio > (as_float(fd.get("ratio")) or 0)
+        ratio = ratio if own else as_float(fd.get("ratio"))
+        return (f"{what} is {fmt(ratio)}x what {pair} explains"
+                f"{' (its own error, replayed on the reference inputs)' if own else ''}: "
+                "a defect on the target, not precision.")
+    if failing_findings:
+        kinds = sorted({f.kind for f in failing_findings})
+        return (f"{len(failing_findings)} finding{'s' if len(failing_findings) > 1 else ''} fail the "
+                f"gate ({', '.join(kinds)}); no tensor drifts beyond what {pair} explains.")
+    bad = [e for e in entries if e.status in FAILING]
+    if bad:
+        e = bad[0]
+        return (f"{len(bad)} entr{'y' if len(bad) == 1 else 'ies'} do not line up between the runs "
+                f"(first: {module_label(e.module)} {e.phase} {e.slot}): the two runs executed "
+                "different code.")
+    return "The gate failed."
+
+
+def _first_clause(message: str, module: str | None) -> str:
+    """A finding's message without its module prefix, up to its first colon or semicolon."""
+    if module and message.startswith(module + ": "):
+        message = message[len(module) + 2:]
+    for sep in (": ", "; "):
+        message = message.split(sep, 1)[0]
+    return message.rstrip(".")

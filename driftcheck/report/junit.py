@@ -11,7 +11,8 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 from driftcheck.report import Entry, Report
-from driftcheck.report.common import FAILING, as_float, entry_limit, execution_order, finding_state, fmt
+from driftcheck.report.common import (FAILING, as_float, conclusion, entry_limit, execution_order, finding_state,
+                                      fmt, module_label)
 
 MAX_LINES = 50  # failing entries listed per module testcase; the HTML report has them all
 # XML 1.0 forbids most control characters even when escaped.
@@ -35,7 +36,7 @@ def render_junit(report: Report) -> str:
     for module, entries in modules.items():
         _module_case(suite, module, entries)
     for f in report.findings:
-        case = _case(suite, "driftcheck.finding", f"{f.kind} @ {f.module or '(model)'}"
+        case = _case(suite, "driftcheck.finding", f"{f.kind} @ {module_label(f.module)}"
                      + (f" step {f.step}" if f.step is not None else ""))
         state = finding_state(f)
         text = "\n".join([f.message] + [f"{k}: {v}" for k, v in f.details.items()])
@@ -48,7 +49,8 @@ def render_junit(report: Report) -> str:
             ET.SubElement(case, "system-out").text = _x(f"warning: {text}")
     verdict = _case(suite, "driftcheck.verdict", "verdict")
     if not report:
-        ET.SubElement(verdict, "failure", message=_x(report.decided_by or report.verdict), type="verdict")
+        ET.SubElement(verdict, "failure", message=_x(conclusion(report)), type="verdict").text = \
+            _x(report.decided_by or report.verdict)
 
     cases = suite.findall("testcase")
     counts = {"tests": len(cases), "failures": sum(1 for c in cases if c.find("failure") is not None),
@@ -63,7 +65,7 @@ def render_junit(report: Report) -> str:
 
 
 def _module_case(suite: ET.Element, module: str, entries: list[Entry]) -> None:
-    case = _case(suite, "driftcheck.module", module or "(model)")
+    case = _case(suite, "driftcheck.module", module_label(module))
     failing = [e for e in entries if e.status in FAILING]
     if failing:
         worst = max(failing, key=_severity)
@@ -125,7 +127,7 @@ def _properties(report: Report) -> dict[str, str]:
                 props[f"{side}.{key}"] = str(meta[key])
     fd = report.first_divergence
     if fd:
-        props["first_divergence"] = f"{fd.get('module') or '(model)'} {fd.get('phase', '')} step {fd.get('step')}"
+        props["first_divergence"] = f"{module_label(fd.get('module'))} {fd.get('phase', '')} step {fd.get('step')}"
     return props
 
 

@@ -9,7 +9,7 @@ import html
 import re
 
 from driftcheck.report import Report
-from driftcheck.report.common import entry_limit, explain_kind, finding_state, fmt, worst
+from driftcheck.report.common import conclusion, entry_limit, explain_kind, finding_state, fmt, module_label, worst
 
 WORST = 10
 # Values only ever appear mid-line, so line-start syntax (#, -, 1.) cannot trigger; these can.
@@ -27,7 +27,9 @@ def render_markdown(report: Report) -> str:
     model = tgt.get("model") or ref.get("model")
     title = "✅ PASS" if report else "❌ FAIL"
     lines = [f"## driftcheck: {title}" + (f" · {md(model)}" if model else ""), ""]
-    lines.append(f"**Decided by:** {md(report.decided_by or 'no rule recorded')}")
+    lines.append(f"**{md(conclusion(report))}**")
+    lines.append("")
+    lines.append(f"Decided by: {md(report.decided_by or 'no rule recorded')}")
     lines.append("")
     counts: dict[str, int] = {}
     for e in report.entries:
@@ -40,7 +42,7 @@ def render_markdown(report: Report) -> str:
     fd = report.first_divergence
     if fd:
         local = f" (local {md(fmt(fd['local_ratio']))})" if fd.get("local_ratio") is not None else ""
-        lines.append(f"**First divergence:** {md(fd.get('module') or '(model)')} · {md(fd.get('phase', ''))} · "
+        lines.append(f"**First divergence:** {md(module_label(fd.get('module')))} · {md(fd.get('phase', ''))} · "
                      f"step {md(fd.get('step'))}" + (f" · {md(fd['slot'])}" if fd.get("slot") else "")
                      + (f" — {md(fd.get('where', ''))}" if fd.get("status") == "finding"
                         else f" — ratio {md(fmt(fd.get('ratio')))}{local}"))
@@ -53,7 +55,7 @@ def render_markdown(report: Report) -> str:
                   "|---|---|---:|---|---|---:|---:|---:|---:|---|"]
         for e in top:
             limit, rule = entry_limit(e)
-            cells = [e.module or "(model)", e.phase, e.step, e.slot, e.status, fmt(e.ratio), fmt(limit),
+            cells = [module_label(e.module), e.phase, e.step, e.slot, e.status, fmt(e.ratio), fmt(limit),
                      fmt(e.metrics.get("max_abs")), fmt(e.metrics.get("rel_l2")), rule]
             lines.append("| " + " | ".join(md(c) for c in cells) + " |")
     if report.findings:
@@ -61,7 +63,7 @@ def render_markdown(report: Report) -> str:
         failing = sum(1 for _, s in states if s == "fails gate")
         lines += ["", f"### Findings ({len(states)}, {failing} fail the gate)", ""]
         for f, state in sorted(states, key=lambda fs: list(_ICON).index(fs[1])):
-            where = f.module or "(model)"
+            where = module_label(f.module)
             step = f" step {md(f.step)}" if f.step is not None else ""
             lines.append(f"- {_ICON[state]} **{md(f.kind)}** ({md(explain_kind(f.kind)[0])}) at {md(where)}"
                          f"{step}: {md(f.message)}")

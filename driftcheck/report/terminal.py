@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from driftcheck.report import Report
+from driftcheck.report.common import conclusion, module_label
 
 
 def _ratio(r: float | None) -> str:
@@ -22,10 +23,12 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
     """Print the report. ``quiet``: the verdict line only."""
     ok = report.verdict == "pass"
     style = "bold green" if ok else "bold red"
-    console.print(f"[{style}]{report.verdict.upper()}[/] {escape(report.decided_by)}", highlight=False,
+    console.print(f"[{style}]{report.verdict.upper()}[/] {escape(conclusion(report))}", highlight=False,
                   markup=True, soft_wrap=True)
     if quiet:
         return
+    if report.decided_by:
+        console.print(f"[dim]decided by: {escape(report.decided_by)}[/]", highlight=False, soft_wrap=True)
     ref, tgt = report.reference, report.target
     console.print(f"reference: {ref.get('model_id')} on {ref.get('device')} {ref.get('dtype')}   "
                   f"target: {tgt.get('device')} {tgt.get('dtype')}"
@@ -36,7 +39,7 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
                   "a finding that fails the gate" if fd.get("status") == "finding" else
                   f"local ratio {_ratio(fd['local_ratio'])}, propagated {_ratio(fd.get('ratio'))}"
                   if fd.get("local_ratio") is not None else f"ratio {_ratio(fd.get('ratio'))}")
-        console.print(f"first divergence: [bold]{escape(fd['module'] or '(model)')}[/] step "
+        console.print(f"first divergence: [bold]{escape(module_label(fd['module']))}[/] step "
                       f"{fd['step']} {fd['phase']} {escape(fd['slot'])} ({number}): "
                       f"{escape(fd.get('where', ''))}", highlight=False)
     elif not ok:
@@ -48,7 +51,7 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
                          overflow="fold")
     for e in report.worst(top):
         m = e.metrics
-        table.add_row(str(e.step), e.phase, escape(e.module or "(model)"), escape(e.slot),
+        table.add_row(str(e.step), e.phase, escape(module_label(e.module)), escape(e.slot),
                       _ratio(e.ratio), _g(m.get("rel_l2")), _g(m.get("max_abs")), e.status)
     console.print(table)
     groups: dict[tuple[str, str, str], list] = {}
@@ -62,7 +65,7 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
             msg = msg[len(module) + 2:]
         where = f" step{'s' if len(steps) > 1 else ''} {','.join(map(str, steps))}" if steps else ""
         # run-level findings (precision settings) belong to no module
-        who = f" {escape(module or '(model)')}" if module or steps else ""
+        who = f" {escape(module_label(module))}" if module or steps else ""
         console.print(f"[{color}]{escape(kind)}[/]{who}{where}: {escape(msg)}",
                       highlight=False, soft_wrap=True)
     for w in report.warnings:

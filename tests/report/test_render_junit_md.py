@@ -46,7 +46,10 @@ def test_failing_report_junit() -> None:
                        "alignment.missing @ layers.0.attn step 1"}
     assert "warning:" in findings["precision.matmul_differs @ (model)"].find("system-out").text
     verdict = got[("driftcheck.verdict", "verdict")].find("failure")
-    assert verdict.get("message").startswith(f"first divergence at {DIVERGING}")
+    # the conclusion in words on the failure, the rule that decided it in its text
+    assert verdict.get("message").startswith(f"{DIVERGING}'s forward output at step 0 is ")
+    assert "a defect on the target, not precision" in verdict.get("message")
+    assert verdict.text.startswith(f"first divergence at {DIVERGING}")
     props = {p.get("name"): p.get("value") for p in ET.fromstring(render_junit(failing_report())).iter("property")}
     assert props["verdict"] == "fail" and props["target.device"] == "tpu"
     assert props["first_divergence"] == f"{DIVERGING} forward step 0"
@@ -94,7 +97,8 @@ def test_hostile_names_are_valid_xml() -> None:
 def test_markdown_failing() -> None:
     text = render_markdown(failing_report())
     assert text.startswith("## driftcheck: ❌ FAIL · tiny\\_gpt\\_bn")
-    assert f"**Decided by:** first divergence at {DIVERGING} (forward, step 0)" in text
+    assert f"\n**{DIVERGING}'s forward output at step 0 is 79.7x what " in text  # the conclusion first
+    assert f"Decided by: first divergence at {DIVERGING} (forward, step 0)" in text
     assert f"**First divergence:** {DIVERGING} · forward · step 0 · output — ratio 79.7 (local 71)" in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + 10  # header + worst 10
