@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import click
 import pytest
 import torch
 
@@ -251,11 +252,21 @@ def test_run_hands_each_side_the_users_backend_autoload(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD", raising=False)
     envs = []
 
-    def fake(cmd, env, **kw):
-        envs.append(env)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+    class Fake:  # a side's process that records nothing and succeeds
+        def __init__(self, cmd, env, **kw):
+            envs.append(env)
+            self.stderr, self.returncode = iter(["driftcheck-progress: 1/2\n"]), 0
 
-    monkeypatch.setattr(run_mod.subprocess, "run", fake)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(run_mod.subprocess, "Popen", Fake)
     run_mod.record_sides(run_mod.Sides(model="mlp", out=tmp_path / "r", reference="cpu", target="cpu"))
     assert len(envs) == 2 and all("TORCH_DEVICE_BACKEND_AUTOLOAD" not in e for e in envs)
 
@@ -291,3 +302,41 @@ def test_run_knows_the_dtype_names_without_torch():
     from driftcheck.record.run import DTYPE_NAMES
 
     assert set(DTYPE_NAMES) == set(dtypes.CLI_DTYPES)
+
+
+def test_run_takes_the_record_options_that_make_sense_for_a_side(tmp_path, capsys):
+    """run passes --view-audit, --include/--exclude, --capture-steps and --phases to both sides
+    and --simulate to the target only: the README's audit example works through run."""
+    from conftest import run_cli
+    from driftcheck.store import TraceReader
+
+    out = tmp_path / "run"
+    code, stdout, _ = run_cli(["run", "resnet", "--target", "cpu", "--out", out, "--view-audit",
+                               "--simulate", "skip-bn-stats", "--exclude", "fc", "--capture-steps", "0",
+                               "--phases", "forward,optimizer", "--steps", "2"], capsys)
+    assert code == 1
+    first = stdout.splitlines()[1]
+    assert first.startswith("FAIL BatchNorm running statistics in ") and "not precision" in first
+    ref, tgt = TraceReader(out / "reference"), TraceReader(out / "target")
+    assert ref.run["simulated_backend"] is None and tgt.run["simulated_backend"] == "skip-bn-stats"
+    for r in (ref, tgt):
+        entries = r.entries.values() if isinstance(r.entries, dict) else r.entries
+        modules = {e["module"] for e in entries}
+        assert modules and "fc" not in modules and "layer1.bn1" in modules
+        assert {e["step"] for e in entries if e["phase"] != "params"} == {0}
+        assert {e["phase"] for e in entries} <= {"forward", "optimizer", "params", "loss"}
+
+
+def test_run_help_documents_every_option(capsys):
+    """Every option of every command has help text; run's and compare's state their defaults."""
+    from driftcheck.cli import cli
+
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"{name} {param.opts} has no help text"
+    for name in ("run", "compare"):
+        limit = next(p for p in cli.commands[name].params if p.name == "limit")
+        assert "3.5" in limit.help
+    quiet = next(p for p in cli.commands["models"].params if p.name == "quiet")
+    assert quiet.help != "Print the verdict line only."  # models prints no verdict

@@ -43,7 +43,7 @@ def _everywhere(f: Any) -> Any:
             ctx.find_object(_Ctx).no_color = True
 
     f = click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=quiet,
-                     help="Print the verdict line only.")(f)
+                     help="Less output: errors, warnings and a verdict line only.")(f)
     f = click.option("--no-color", is_flag=True, expose_value=False, callback=no_color,
                      help="No colors.")(f)
     return click.option("--debug", is_flag=True, expose_value=False,
@@ -84,7 +84,7 @@ def _phases(spec: str | None) -> list[str] | None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-@click.option("--quiet", "-q", is_flag=True, help="Print the verdict line only.")
+@click.option("--quiet", "-q", is_flag=True, help="Less output: errors, warnings and a verdict line only.")
 @click.option("--no-color", is_flag=True, help="No colors (NO_COLOR is respected too).")
 @click.version_option(__version__, prog_name="driftcheck")
 @click.pass_context

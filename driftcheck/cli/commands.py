@@ -26,6 +26,7 @@ from driftcheck.cli.app import (
     cli,
 )
 from driftcheck.errors import DriftcheckError
+from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -126,15 +127,22 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
 
     scenario = load_scenario(model, seed)
     progress = _progress(obj)
+    lines = os.environ.get(PROGRESS_VAR) == "lines"  # driftcheck run reads them from our stderr
+
+    def on_step(i: int, n: int) -> None:
+        p.update(task, completed=i, total=n)
+        if lines:
+            click.echo(f"{PROGRESS_PREFIX}{i}/{n}", err=True)
+
     with progress as p:
-        task = p.add_task(f"recording {model} on {device} {dtype}", total=steps or scenario.steps)
+        what = f"recording {model} on {device} {dtype}" + (" + local replay" if local else "")
+        task = p.add_task(what, total=steps or scenario.steps)
         out = str(do_record(
             scenario, out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
             full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
-            simulate=simulate, parallel=parallel,
-            on_step=lambda i, n: p.update(task, completed=i, total=n)))
+            simulate=simulate, parallel=parallel, on_step=on_step))
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
@@ -157,10 +165,12 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
 @cli.command()
 @click.argument("ref", type=click.Path())
 @click.argument("target", type=click.Path())
-@click.option("--truth", type=click.Path(), default=None, help="A float64 record of the same replay.")
+@click.option("--truth", type=click.Path(), default=None,
+              help="A float64 record of the same replay: a three-way comparison  [default: none]")
 @click.option("--policy", "policy_path", type=click.Path(), default=None,
               help="Policy file (default: driftcheck.toml or [tool.driftcheck] in pyproject.toml).")
-@click.option("--limit", type=float, default=None, help="Override every ratio limit.")
+@click.option("--limit", type=float, default=None,
+              help="Override every ratio limit  [default: the policy's, 3.5 without one]")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
 @_outputs_options
 @_everywhere
@@ -182,7 +192,10 @@ def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: st
         # Run directories of a torchrun record (rank-0, rank-1, ...): rank by rank, one verdict.
         report = compare_ranks(ref, target, policy=policy, limit=limit, truth=truth)
     else:
-        report = do_compare(ref, target, policy=policy, limit=limit, truth=truth)
+        with _progress(obj) as p:
+            task = p.add_task("comparing", total=None)
+            report = do_compare(ref, target, policy=policy, limit=limit, truth=truth,
+                                on_progress=lambda i, n: p.update(task, completed=i, total=n))
     _finish(obj, report, top, json_path, html_path, junit_path, md_path)
 
 
@@ -259,34 +272,57 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
 # -- run ----------------------------------------------------------------------------------------
 @cli.command()
 @click.argument("model")
-@click.option("--reference", "ref_device", default="cpu", show_default=True, help="Reference device.")
-@click.option("--target", "tgt_device", required=True, help="Target device (tpu, cuda, cpu ...).")
-@click.option("--reference-dtype", default="fp32", show_default=True)
-@click.option("--target-dtype", default="fp32", show_default=True)
-@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None, help="Target forward under autocast.")
-@click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None, help="Target Linear layers in emulated fp8.")
+@click.option("--reference", "ref_device", default="cpu", show_default=True,
+              help="Reference device: cpu or cuda[:N].")
+@click.option("--target", "tgt_device", required=True,
+              help="Target device: tpu, cuda[:N], cpu (a precision what-if), mps, xpu or a PrivateUse1 name.")
+@click.option("--reference-dtype", default="fp32", show_default=True, help="Reference dtype: fp32, bf16, fp16 or fp64.")
+@click.option("--target-dtype", default="fp32", show_default=True, help="Target dtype: fp32, bf16, fp16 or fp64.")
+@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="Run the target's forward under torch.autocast  [default: off]")
+@click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
+              help="Target Linear layers in emulated fp8  [default: off]")
 @click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium"]), default=None,
-              help="Target's float32 matmul precision.")
-@click.option("--truth", type=click.Choice(["fp64"]), default=None, help="Also record a float64 truth on CPU.")
+              help="Target's float32 matmul precision  [default: torch's, 'highest']")
+@click.option("--truth", type=click.Choice(["fp64"]), default=None,
+              help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local", "local", is_flag=True,
               help="Rerun every leaf module of the target on the reference's inputs: separates each "
                    "module's own error from what it inherits (needs --mode full).")
 @click.option("--out", "-o", required=True, type=click.Path(), help="Run directory (traces and reports).")
-@click.option("--steps", type=int, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True)
-@click.option("--force", is_flag=True, help="Overwrite an existing run directory.")
-@click.option("--policy", "policy_path", type=click.Path(), default=None)
-@click.option("--limit", type=float, default=None)
-@click.option("--html/--no-html", "html", default=True, show_default=True, help="Write report.html.")
-@click.option("--junit", "junit_path", type=click.Path(), default=None)
-@click.option("--summary-md", "md_path", type=click.Path(), default=None)
+@click.option("--force", is_flag=True, help="Replace an earlier run in --out.")
+@click.option("--steps", type=int, default=None, help="Training steps  [default: the scenario's]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
+@click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True,
+              help="full tensors, statistics + a seeded sample, or stats with full tensors for --full-modules.")
+@click.option("--include", multiple=True, help="Only these module globs (repeatable)  [default: all]")
+@click.option("--exclude", multiple=True, help="Not these module globs (repeatable)  [default: none]")
+@click.option("--full-modules", multiple=True, help="With --mode auto: module globs kept in full (repeatable).")
+@click.option("--phases", default=None,
+              help="Subset of forward,backward,grads,optimizer  [default: all]")
+@click.option("--capture-steps", default=None, help="Steps to capture, e.g. 0-1,3  [default: all]")
+@click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched", show_default=True,
+              help="One device-to-host copy per step, or one per capture (more sync points).")
+@click.option("--view-audit", is_flag=True,
+              help="Record view/in-place events on both sides for the BatchNorm/view/in-place audits.")
+@click.option("--simulate", type=click.Choice(["views-become-copies", "drop-view-writes", "skip-bn-stats"]),
+              default=None, help="Run the target on a simulated faulty backend (to see the audits catch it).")
+@click.option("--policy", "policy_path", type=click.Path(), default=None,
+              help="Policy file  [default: driftcheck.toml or [tool.driftcheck] in pyproject.toml]")
+@click.option("--limit", type=float, default=None,
+              help="Override every ratio limit  [default: the policy's, 3.5 without one]")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
+@click.option("--html/--no-html", "html", default=True, show_default=True, help="Write OUT/report.html.")
+@click.option("--junit", "junit_path", type=click.Path(), default=None, help="Also write JUnit XML here.")
+@click.option("--summary-md", "md_path", type=click.Path(), default=None, help="Also write a Markdown summary here.")
 @_everywhere
 @click.pass_obj
 def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
-        truth: str | None, local: bool, out: str, steps: int | None, seed: int, mode: str, force: bool,
-        policy_path: str | None, limit: float | None, html: bool, junit_path: str | None,
+        truth: str | None, local: bool, out: str, force: bool, steps: int | None, seed: int, mode: str,
+        include: tuple, exclude: tuple, full_modules: tuple, phases: str | None,
+        capture_steps: str | None, transfer: str, view_audit: bool, simulate: str | None,
+        policy_path: str | None, limit: float | None, top: int, html: bool, junit_path: str | None,
         md_path: str | None) -> None:
     """Record truth (optional), reference and target, each in its own process, and compare.
 
@@ -295,19 +331,31 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
     """
     from driftcheck.record.run import Sides, record_sides
 
+    if limit is not None and not limit > 0:
+        raise DriftcheckError(f"--limit must be positive, got {limit}")
+    _phases(phases)
+    _ranges(capture_steps)
     sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
                   reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                   fp8=fp8, matmul_precision=matmul_precision, truth=truth, local=local,
-                  steps=steps, seed=seed, mode=mode, force=force)
-    out_dir, ref_dir, tgt_dir, truth_dir = record_sides(
-        sides, debug=obj.debug, say=None if obj.quiet else (lambda m: click.echo(m, err=True)))
-    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    from driftcheck.compare import compare as do_compare
-    from driftcheck.policy import Policy
+                  steps=steps, seed=seed, mode=mode, force=force, include=include, exclude=exclude,
+                  full_modules=full_modules, phases=phases, capture_steps=capture_steps,
+                  transfer=transfer, view_audit=view_audit, simulate=simulate)
+    progress = _progress(obj)
+    with progress as p:
+        out_dir, ref_dir, tgt_dir, truth_dir = record_sides(
+            sides, debug=obj.debug, say=None if obj.quiet else (lambda m: p.console.print(m, markup=False,
+                                                                                            highlight=False)),
+            progress=p)
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+        from driftcheck.compare import compare as do_compare
+        from driftcheck.policy import Policy
 
-    report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,
-                        truth=str(truth_dir) if truth else None)
+        task = p.add_task("comparing", total=None)
+        report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,
+                            truth=str(truth_dir) if truth else None,
+                            on_progress=lambda i, n: p.update(task, completed=i, total=n))
     if not obj.quiet:
         click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
-    _finish(obj, report, 10, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
+    _finish(obj, report, top, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
             junit_path, md_path)

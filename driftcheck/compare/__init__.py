@@ -8,6 +8,7 @@ entry over the limit, in execution order, is where drift *enters*.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from driftcheck import metrics as mx
 from driftcheck.compare.entries import entries_of
@@ -34,8 +35,11 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
 
     def __init__(self, ref: TraceReader, tgt: TraceReader, *, policy: Policy | None = None,
                  limit: float | None = None, truth: TraceReader | None = None,
-                 chunk_elems: int = 1 << 17, workers: int | None = None) -> None:
+                 chunk_elems: int = 1 << 17, workers: int | None = None,
+                 on_progress: Callable[[int, int], None] | None = None) -> None:
         self.ref, self.tgt, self.truth = ref, tgt, truth
+        self.on_progress = on_progress  # (done, total): pairs measured, then entries judged
+        self._done, self._total = 0, 0
         self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
         self._measured: dict[tuple, Measured] = {}
         self._histograms_by_key: dict[str, mx.ErrorHistogram] = {}
@@ -98,8 +102,11 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
         self.tgt_map = tgt_map
         self.truth_map = {e.align: e for e in self.truth_entries} if self.truth is not None else {}
         self._alignment_findings(ref_map, tgt_map)
-        self._measure_all([(r, tgt_map[r.align]) for r in ref_entries
-                           if self.policy.judges_step(r.step) and r.align in tgt_map])
+        pairs = [(r, tgt_map[r.align]) for r in ref_entries
+                 if self.policy.judges_step(r.step) and r.align in tgt_map]
+        self._done, self._total = 0, 2 * len(pairs)
+        self._measure_all(pairs)
+        self._done = len(pairs)
         entries: list[Entry] = []
         for r in ref_entries:
             if not self.policy.judges_step(r.step):
@@ -108,6 +115,7 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
             if t is None:
                 continue  # reported as alignment.missing_in_target; inherits nothing
             entries.append(self._judge(r, t))
+            self.tick()
         if not entries:
             raise DriftcheckError(self._why_nothing_judged())
         judged = sum(e.status != IGNORED for e in entries)
@@ -122,6 +130,12 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
         self._precision_findings()
         return self._verdict(entries)
 
+    def tick(self) -> None:
+        """One more pair measured or entry judged: tell ``on_progress``."""
+        self._done += 1
+        if self.on_progress is not None:
+            self.on_progress(min(self._done, self._total), self._total)
+
     def _why_nothing_judged(self) -> str:
         # (a policy's steps outside the traces were refused by check_traces already)
         if not self.ref_entries:
@@ -132,7 +146,8 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
 
 
 def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy | None = None,
-            limit: float | None = None, truth: str | TraceReader | None = None) -> Report:
+            limit: float | None = None, truth: str | TraceReader | None = None,
+            on_progress: Callable[[int, int], None] | None = None) -> Report:
     """Compare a target trace against a reference trace.
 
     Args:
@@ -140,6 +155,7 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
         policy: the gate policy (default: Policy.default()).
         limit: overrides every ratio limit of the policy.
         truth: a float64 record of the same replay (three-way comparison).
+        on_progress: called with (done, total) as pairs are measured and entries judged.
 
     Returns:
         The Report; ``bool(report)`` is True when it passed.
@@ -147,4 +163,4 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
     r = ref if isinstance(ref, TraceReader) else TraceReader(ref)
     t = target if isinstance(target, TraceReader) else TraceReader(target)
     tr = truth if truth is None or isinstance(truth, TraceReader) else TraceReader(truth)
-    return Comparison(r, t, policy=policy, limit=limit, truth=tr).run()
+    return Comparison(r, t, policy=policy, limit=limit, truth=tr, on_progress=on_progress).run()

@@ -144,6 +144,7 @@ class Measuring:
         def finish(i: int, acc: mx.ErrorAccumulator | None, how: str) -> None:
             r, t = todo[i]
             self._measured[r.align] = self._finish(acc, how, r, t)
+            self.tick()
 
         current: tuple[int, mx.ErrorAccumulator | None, str] | None = None
         with ThreadPoolExecutor(self.workers, thread_name_prefix="driftcheck-compare") as pool:

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from driftcheck import devices
 from driftcheck.errors import DriftcheckError
@@ -42,6 +42,28 @@ class Sides:
     seed: int = 0
     mode: str = "full"
     force: bool = False
+    # what both sides capture (``driftcheck record``'s options of the same names)
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    full_modules: tuple[str, ...] = ()
+    phases: str | None = None
+    capture_steps: str | None = None
+    transfer: str = "batched"
+    view_audit: bool = False
+    simulate: str | None = None  # the target only: a simulated faulty backend
+
+    def capture_args(self) -> list[str]:
+        """The ``record`` options both sides share, so that their entries line up."""
+        args = ["--seed", str(self.seed), "--mode", self.mode, "--force", "--transfer", self.transfer]
+        args += ["--steps", str(self.steps)] if self.steps else []
+        for flag, values in (("--include", self.include), ("--exclude", self.exclude),
+                             ("--full-modules", self.full_modules)):
+            for v in values:
+                args += [flag, v]
+        for flag, val in (("--phases", self.phases), ("--capture-steps", self.capture_steps)):
+            if val:
+                args += [flag, val]
+        return args + (["--view-audit"] if self.view_audit else [])
 
 
 def prepare_run_dir(out: Path, force: bool) -> Path:
@@ -56,10 +78,11 @@ def prepare_run_dir(out: Path, force: bool) -> Path:
     return out
 
 
-def record_sides(sides: Sides, *, debug: bool = False,
-                 say: Callable[[str], None] | None = None) -> tuple[Path, Path, Path, Path | None]:
+def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None] | None = None,
+                 progress: Any = None) -> tuple[Path, Path, Path, Path | None]:
     """Record every side of ``sides``; (run dir, reference, target, truth or None). Every option
-    and device is checked before anything is recorded or any directory made."""
+    and device is checked before anything is recorded or any directory made. ``progress``: a
+    rich Progress that gets one bar per side, advanced as its process finishes each step."""
     user_autoload = os.environ.get(devices.AUTOLOAD_VAR)
     check(sides)
     # checking torch's own devices set TORCH_DEVICE_BACKEND_AUTOLOAD=0 here: each side must get
@@ -69,23 +92,22 @@ def record_sides(sides: Sides, *, debug: bool = False,
     else:
         os.environ[devices.AUTOLOAD_VAR] = user_autoload
     out = prepare_run_dir(sides.out, sides.force)
-    common = ["--seed", str(sides.seed), "--mode", sides.mode, "--force"] + (
-        ["--steps", str(sides.steps)] if sides.steps else [])
+    common = sides.capture_args()
     ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
     _record([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
-             sides.reference_dtype] + common, "reference", debug, say)
+             sides.reference_dtype] + common, "reference", debug, say, progress)
     if sides.truth:
         _record([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
-                 "--replay", str(ref_dir)] + common, "truth", debug, say)
+                 "--replay", str(ref_dir)] + common, "truth (float64)", debug, say, progress)
     tgt_args = [sides.model, "--out", str(tgt_dir), "--device", sides.target, "--dtype",
                 sides.target_dtype, "--replay", str(ref_dir)] + common
     for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
-                      ("--matmul-precision", sides.matmul_precision)):
+                      ("--matmul-precision", sides.matmul_precision), ("--simulate", sides.simulate)):
         if val:
             tgt_args += [flag, val]
     if sides.local:
         tgt_args += ["--local", str(ref_dir)]
-    _record(tgt_args, "target", debug, say)
+    _record(tgt_args, "target + local replay" if sides.local else "target", debug, say, progress)
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
 
 
@@ -100,6 +122,9 @@ def check(sides: Sides) -> None:
     if sides.local and sides.mode != "full":
         raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "
                               "or drop --local")
+    if sides.full_modules and sides.mode != "auto":
+        raise DriftcheckError(f"--full-modules only takes effect with --mode auto (this run is "
+                              f"--mode {sides.mode}); add --mode auto or drop --full-modules")
     if sides.steps is not None and sides.steps < 1:
         raise DriftcheckError(f"--steps must be at least 1, got {sides.steps}")
     for spec in (sides.reference, sides.target):
@@ -114,15 +139,35 @@ def check(sides: Sides) -> None:
             raise DriftcheckError(f"device 'tpu' needs torch_tpu: {devices.TPU_FIX}")
 
 
-def _record(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None) -> None:
-    """Record in a fresh process: backends and precision settings cannot leak between runs."""
+PROGRESS_VAR = "DRIFTCHECK_PROGRESS"  # "lines": record prints PROGRESS_PREFIX i/n on stderr
+PROGRESS_PREFIX = "driftcheck-progress: "
+
+
+def _record(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None,
+            progress: Any = None) -> None:
+    """Record in a fresh process: backends and precision settings cannot leak between runs. Its
+    steps come back as progress lines on its stderr; the rest of stderr is its message."""
     cmd = [sys.executable, "-m", "driftcheck", "--quiet"] + (["--debug"] if debug else []) + ["record"] + args
     if say is not None:
         say(f"recording {label}: driftcheck record {' '.join(args)}")
-    proc = subprocess.run(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+    task = progress.add_task(f"recording {label}", total=None) if progress is not None else None
+    env = dict(os.environ, **{PROGRESS_VAR: "lines"})
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        lines = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith(PROGRESS_PREFIX):
+                done, _, total = line[len(PROGRESS_PREFIX):].strip().partition("/")
+                if task is not None and done.isdigit() and total.isdigit():
+                    progress.update(task, completed=int(done), total=int(total))
+            else:
+                lines.append(line)
+        proc.wait()
+    if task is not None:
+        progress.remove_task(task)
     if proc.returncode != 0:
-        msg = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        stderr = "".join(lines)
+        msg = (stderr.strip().splitlines() or ["(no message)"])[-1]
         if debug:
-            sys.stderr.write(proc.stderr)
+            sys.stderr.write(stderr)
         raise DriftcheckError(f"the {label} record failed: {msg.removeprefix('driftcheck: ')}")
