@@ -1,13 +1,17 @@
 """The HTML report: one self-contained file (inline CSS, JS and SVG) that opens from disk.
 
-Built with jinja2 (autoescape on) from ``driftcheck/templates/report.html.j2``; charts are drawn
-by matplotlib's SVG backend with text kept as text (``svg.fonttype: none``) and math parsing off,
-so a module name is never interpreted. The entry table travels as JSON inside a
-``<script type="application/json">`` block (``</`` escaped) and is built by a small vanilla script
-with ``textContent`` only: the page stays fast with tens of thousands of entries.
+Built with jinja2 (autoescape on) from ``driftcheck/templates/report.html.j2``. The interactive
+charts (the drift ratio along execution order, the module x (step, phase) map) are drawn in the
+page by plotly.js, inlined from the ``plotly`` package, from the same JSON blocks as the entry
+table; their tooltips are the page's own, filled with ``textContent``, so a module name is never
+markup. The error histograms are static SVG from matplotlib (text as text, math parsing off).
+The JSON travels inside ``<script type="application/json">`` blocks (``</`` escaped); only a page
+of table rows is in the DOM at a time, and the chart draws at most ``MAX_CHART_POINTS`` (the worst
+of each bin of the visible range, redrawn on zoom): the page stays fast with 50k entries.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -19,27 +23,34 @@ import jinja2
 from driftcheck.report import Entry, Report
 from driftcheck.report.common import (
     as_float,
+    conclusion,
     entry_limit,
     execution_order,
     explain_kind,
     finding_state,
     fmt,
+    module_label,
     worst,
 )
 from driftcheck.store.format import PHASES
 
+Markup = Any  # markupsafe.Markup (jinja2's), imported where it is made
+
 # Okabe-Ito palette: tells the phases apart for colour-blind readers too.
 PHASE_COLORS = {"params": "#999999", "forward": "#0072B2", "loss": "#000000", "backward": "#E69F00",
                 "grads": "#009E73", "optimizer": "#CC79A7"}
-MAX_CHART_POINTS = 4000  # above this the chart keeps the worst entry of each bin
+MAX_CHART_POINTS = 3000  # the chart draws the worst entry of each bin of the visible range
 DETAIL_COUNT = 6  # worst entries with a detail section (plus the first divergence)
-TABLE_COLUMNS = [  # (id, title, kind): kind "num" sorts numerically
-    ("i", "#", "num"), ("step", "step", "num"), ("phase", "phase", "str"), ("module", "module", "str"),
-    ("call", "call", "num"), ("slot", "slot", "str"), ("status", "status", "str"), ("ratio", "ratio", "num"),
-    ("local", "local", "num"), ("limit", "limit", "num"), ("max_abs", "max abs", "num"),
-    ("rel_l2", "rel L2", "num"), ("max_ulp", "max ULP", "num"), ("cosine", "cosine", "num"),
-    ("rule", "rule", "str"),
+TABLE_COLUMNS = [  # (id, title, kind, folded): kind "num" sorts numerically; folded columns
+    # show with "all columns"
+    ("i", "#", "num", False), ("step", "step", "num", False), ("phase", "phase", "str", False),
+    ("module", "module", "str", False), ("slot", "slot", "str", False), ("status", "status", "str", False),
+    ("ratio", "ratio", "num", False), ("local", "local", "num", False), ("limit", "limit", "num", False),
+    ("floor", "floor", "num", False), ("max_abs", "max abs", "num", False), ("rel_l2", "rel L2", "num", False),
+    ("call", "call", "num", True), ("max_ulp", "max ULP", "num", True), ("cosine", "cosine", "num", True),
+    ("rule", "rule", "str", True),
 ]
+KEY_METRICS = ("max_abs", "rel_l2", "rms", "cosine")  # shown in a detail; the rest folded
 META_FIRST = ("model", "device", "dtype", "precision", "seed", "steps", "versions", "host")
 METRIC_ROWS = ("max_abs", "mean_abs", "rms", "rel_l2", "cosine", "max_ulp", "frac_outside", "sqnr_db",
                "ref_rms", "ref_absmax", "nan_ref", "nan_tgt", "inf_ref", "inf_tgt")
@@ -61,6 +72,7 @@ def render_html(report: Report) -> str:
     context = {
         "report": report,
         "passed": bool(report),
+        "conclusion": conclusion(report),
         "model": report.target.get("model") or report.reference.get("model"),
         "counts": _status_counts(report.entries),
         "findings": _findings(report),
@@ -68,11 +80,11 @@ def render_html(report: Report) -> str:
         "meta_always": META_ALWAYS,
         "first": first,
         "first_entry": first_entry,
-        "first_extra": {k: v for k, v in (first or {}).items()
-                        if k not in ("key", "module", "phase", "step", "slot", "ratio", "local_ratio")},
-        "chart_svg": _drift_chart(ordered, [lim for lim, _ in limits], first_entry),
+        "first_extra": _first_extra(first),
         "chart_points": sum(1 for e in ordered if e.ratio is not None),
-        "table_json": _script_json(_table_data(ordered, limits)),
+        "table_json": _script_json(_table_data(ordered, limits, first_entry)),
+        "map_json": _script_json(_module_map(ordered)),
+        "plotly_js": _plotly_js(),
         "columns": TABLE_COLUMNS,
         "statuses": sorted({e.status for e in report.entries}),
         "phases": [p for p in PHASES if any(e.phase == p for e in ordered)],
@@ -84,12 +96,46 @@ def render_html(report: Report) -> str:
     return env.get_template("report.html.j2").render(**context)
 
 
+def _first_extra(first: dict[str, Any] | None) -> dict[str, Any]:
+    """The first divergence's other fields, for people: the drift under a finding in words."""
+    out: dict[str, Any] = {}
+    for k, v in (first or {}).items():
+        if k in ("key", "module", "phase", "step", "slot", "ratio", "local_ratio", "call"):
+            continue
+        if k == "blame_module":
+            if v != (first or {}).get("module"):
+                out["made by"] = module_label(v)
+            continue
+        if isinstance(v, dict):  # the drift entry a finding explains
+            v = (f"{module_label(v.get('module'))} {v.get('phase')} step {v.get('step')} {v.get('slot')}: "
+                 f"ratio {fmt(as_float(v.get('ratio')))}")
+        out[k] = v
+    return out
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("driftcheck", "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = fmt
-    env.filters["label"] = lambda m: m if m else "(model)"
+    env.filters["label"] = module_label
+    env.filters["wbr"] = _wbr
     return env
+
+
+def _wbr(text: Any) -> Markup:
+    """A dotted module path that wraps after its dots and underscores, never mid-word."""
+    import markupsafe
+
+    parts = re.split(r"(?<=[._/])", module_label(text) if isinstance(text, str) or text is None else str(text))
+    return markupsafe.Markup("<wbr>").join(markupsafe.escape(p) for p in parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_js() -> str:
+    """plotly.js, from the ``plotly`` package (MIT), inlined: the report opens offline."""
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs().replace("</script", "<\\/script")
 
 
 def _resource(name: str) -> str:
@@ -115,17 +161,53 @@ def _json_num(x: Any, digits: int = 4) -> Any:
     return float(f"{value:.{digits}g}")  # the table shows 3 digits; sorting needs no more
 
 
-def _table_data(ordered: list[Entry], limits: list[tuple[float, str]]) -> dict[str, Any]:
+def _table_data(ordered: list[Entry], limits: list[tuple[float, str]], first: Entry | None) -> dict[str, Any]:
     # Rows are arrays and rules are indices into one list: a few dozen bytes per entry.
     rules: dict[str, int] = {}
     rows = []
     for i, (e, (limit, rule)) in enumerate(zip(ordered, limits)):
         m = e.metrics
         rule_id = rules.setdefault(rule if e.ratio is not None else "", len(rules))
-        rows.append([i, e.step, e.phase, e.module, e.call, e.slot, e.status, _json_num(e.ratio),
-                     _json_num(e.local_ratio), limit, _json_num(m.get("max_abs")), _json_num(m.get("rel_l2")),
-                     _json_num(m.get("max_ulp")), _json_num(m.get("cosine"), 7), rule_id])
-    return {"columns": [c[0] for c in TABLE_COLUMNS], "rules": list(rules), "rows": rows}
+        rows.append([i, e.step, e.phase, e.module, e.slot, e.status, _json_num(e.ratio),
+                     _json_num(e.local_ratio), limit, _json_num(e.floor), _json_num(m.get("max_abs")),
+                     _json_num(m.get("rel_l2")), e.call, _json_num(m.get("max_ulp")),
+                     _json_num(m.get("cosine"), 7), rule_id])
+    first_i = next((i for i, e in enumerate(ordered) if e is first), None)
+    steps = sorted({e.step for e in ordered})
+    return {"columns": [c[0] for c in TABLE_COLUMNS], "rules": list(rules), "rows": rows,
+            "first": first_i, "colors": PHASE_COLORS, "max_points": MAX_CHART_POINTS,
+            "steps": [[s, min(i for i, e in enumerate(ordered) if e.step == s),
+                       max(i for i, e in enumerate(ordered) if e.step == s)] for s in steps]}
+
+
+def _module_map(ordered: list[Entry]) -> dict[str, Any]:
+    """Module x (step, phase): each cell the worst judged ratio of that module's entries there
+    (its limit-relative colour is drawn in the page), the slot it belongs to and how many."""
+    modules: dict[str, int] = {}
+    cols: dict[tuple[int, str], int] = {}
+    rank = {p: i for i, p in enumerate(PHASES)}
+    for e in ordered:
+        modules.setdefault(e.module, len(modules))
+    for step, phase in sorted({(e.step, e.phase) for e in ordered}, key=lambda c: (c[0], rank.get(c[1], 99))):
+        cols[(step, phase)] = len(cols)
+    cells: dict[tuple[int, int], list[Any]] = {}
+    for e in ordered:
+        ratio = as_float(e.ratio)
+        if ratio is None or e.status == "ignored":
+            continue
+        limit = e.limit if e.limit is not None else math.nan
+        score = math.inf if math.isnan(ratio) else ratio / limit if limit and limit > 0 else ratio
+        key = (modules[e.module], cols[(e.step, e.phase)])
+        cell = cells.get(key)
+        if cell is None:
+            cells[key] = [key[0], key[1], score, _json_num(ratio), e.slot, 1, e.status]
+        else:
+            cell[5] += 1
+            if score > cell[2]:
+                cell[2:5], cell[6] = [score, _json_num(ratio), e.slot], e.status
+    out = [[r, c, _json_num(score), ratio, slot, n, st] for r, c, score, ratio, slot, n, st in cells.values()]
+    return {"modules": [module_label(m) for m in modules], "raw": list(modules),
+            "cols": [[s, p] for s, p in cols], "cells": out}
 
 
 def _status_counts(entries: list[Entry]) -> list[tuple[str, int]]:
@@ -137,13 +219,55 @@ def _status_counts(entries: list[Entry]) -> list[tuple[str, int]]:
 
 
 def _findings(report: Report) -> list[dict[str, Any]]:
-    out = []
+    """Findings grouped by kind and gate state: one card per group, its modules listed with
+    their steps, the first finding's message (without its module prefix) and details."""
+    groups: dict[tuple[str, str], list[Any]] = {}
     for f in report.findings:
-        title, meaning, todo = explain_kind(f.kind)
-        out.append({"f": f, "title": title, "meaning": meaning, "todo": todo, "state": finding_state(f),
-                    "details": _flatten(f.details)})
+        groups.setdefault((f.kind, finding_state(f)), []).append(f)
+    out = []
+    for (kind, state), fs in groups.items():
+        title, meaning, todo = explain_kind(kind)
+        where: dict[str, set[int]] = {}
+        for f in fs:
+            where.setdefault(f.module, set()).update({f.step} if f.step is not None else set())
+        first = fs[0]
+        message = first.message
+        if first.module and message.startswith(first.module + ": "):
+            message = message[len(first.module) + 2:]
+        settings = (first.details or {}).get("settings") if kind == "precision.settings_differ" else None
+        if settings:
+            todo = _precision_todo(settings)
+            message = message.split(": ", 1)[0] + "."
+        out.append({"kind": kind, "title": title, "meaning": meaning, "todo": todo, "state": state,
+                    "count": len(fs), "message": message, "phase": first.phase,
+                    "modules": [(module_label(m), _steps_words(sorted(st))) for m, st in where.items()],
+                    "settings": settings or [],
+                    "details": [] if settings else _flatten(first.details)})
     rank = {"fails gate": 0, "warning": 1, "ignored": 2}
     return sorted(out, key=lambda d: rank[d["state"]])
+
+
+def _steps_words(steps: list[int]) -> str:
+    if not steps:
+        return ""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+
+
+# Settings whose difference a user sets on purpose (the target's precision), and the float32
+# matmul settings that may be a surprise.
+_MATMUL_SETTINGS = ("matmul_precision", "allow_tf32", "fp32_precision")
+
+
+def _precision_todo(settings: list[dict[str, Any]]) -> str:
+    names = [str(s.get("setting", "")) for s in settings]
+    matmul = [n for n in names if n.startswith(_MATMUL_SETTINGS)]
+    if matmul:
+        return ("The float32 matmul settings differ (" + ", ".join(matmul) + "): set them alike on "
+                "both runs (torch.set_float32_matmul_precision('highest') or --matmul-precision) for "
+                "a like-for-like comparison; otherwise the floor allows the drift they explain.")
+    return ("Nothing to do: the target runs at another precision on purpose (" + ", ".join(names) +
+            "), and every floor in this report already allows for it. Record both runs with the same "
+            "--dtype/--autocast/--fp8 to compare like for like.")
 
 
 def _flatten(d: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -193,8 +317,9 @@ def _details(report: Report, first_entry: Entry | None) -> list[dict[str, Any]]:
         out.append({
             "e": e, "anchor": f"detail-{len(out)}", "limit": limit, "rule": rule,
             "is_first": e is first_entry,
-            "metrics": [(k, e.metrics[k]) for k in METRIC_ROWS if k in e.metrics]
-            + [(k, v) for k, v in e.metrics.items() if k not in METRIC_ROWS],
+            "metrics": [(k, e.metrics[k]) for k in KEY_METRICS if k in e.metrics],
+            "more_metrics": [(k, e.metrics[k]) for k in METRIC_ROWS if k in e.metrics and k not in KEY_METRICS]
+            + [(k, v) for k, v in e.metrics.items() if k not in METRIC_ROWS and k not in KEY_METRICS],
             "stats": [(k, ref.get(k), tgt.get(k)) for k in STAT_ROWS if k in ref or k in tgt],
             "histogram_svg": _histogram_chart(hist, e.floor, f"hist-{len(out)}") if hist else "",
             "exact": (hist or {}).get("exact"),
@@ -232,86 +357,6 @@ def _svg(fig: Any, salt: str, label: str) -> str:
 
 def _attr(text: str) -> str:
     return (text.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;").replace(">", "&gt;"))
-
-
-def _short(text: str, n: int = 48) -> str:
-    return text if len(text) <= n else text[: n // 2 - 1] + "…" + text[-(n // 2 - 1):]
-
-
-def _decimate(xs: list[int], ys: list[float], keep: set[int]) -> list[int]:
-    """Indices to draw: all when few, else the worst of each bin plus the ``keep`` indices."""
-    n = len(xs)
-    if n <= MAX_CHART_POINTS:
-        return list(range(n))
-    size = math.ceil(n / MAX_CHART_POINTS)
-    chosen = {max(range(s, min(s + size, n)), key=lambda i: ys[i]) for s in range(0, n, size)}
-    return sorted(chosen | keep)
-
-
-def _drift_chart(ordered: list[Entry], limits: list[float], first: Entry | None) -> str:
-    """Drift ratio (log scale) along execution order, coloured by phase; limit line; first divergence."""
-    import matplotlib
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    judged = [(i, as_float(e.ratio)) for i, e in enumerate(ordered) if e.ratio is not None]
-    if not judged:
-        return ""
-    finite = [r for _, r in judged if r is not None and math.isfinite(r) and r > 0]
-    top = max(finite + limits) * 3
-    bottom = max(min(finite + [min(limits)]) / 3, 1e-4)
-    xs = [i for i, _ in judged]
-    ys = [(top if r is None or not math.isfinite(r) else max(r, bottom)) for _, r in judged]
-    bad = {k for k, (_, r) in enumerate(judged) if r is None or not math.isfinite(r)}
-    first_x = ordered.index(first) if first is not None and first in ordered else None
-    keep = bad | {k for k, x in enumerate(xs) if x == first_x}
-    idx = _decimate(xs, ys, keep)
-
-    with matplotlib.rc_context(_rc()):
-        fig = Figure(figsize=(11, 3.4))
-        ax = fig.add_subplot()
-        ax.set_yscale("log")
-        ax.set_ylim(bottom / 1.6, top * 1.5)
-        # Plain tick labels: math text is off so that module names are never parsed as TeX.
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlim(-0.5, len(ordered) - 0.5)
-        # Step bands: alternate shading so a multi-step trace reads as repeated passes.
-        steps = sorted({e.step for e in ordered})
-        for n, step in enumerate(steps):
-            lo = next(i for i, e in enumerate(ordered) if e.step == step)
-            hi = max(i for i, e in enumerate(ordered) if e.step == step)
-            if n % 2:
-                ax.axvspan(lo - 0.5, hi + 0.5, color="#f2f2f2", zorder=0, lw=0)
-            if len(steps) > 1:
-                ax.text((lo + hi) / 2, 1.0, f"step {step}", transform=ax.get_xaxis_transform(),
-                        ha="center", va="bottom", color="#666666", fontsize=8)
-        ax.step(range(len(ordered)), limits, where="mid", color="#D55E00", lw=1.2, zorder=2)
-        handles = [Line2D([], [], color="#D55E00", lw=1.2, label="limit")]
-        for phase in PHASES:
-            sel = [k for k in idx if k not in bad and ordered[xs[k]].phase == phase]
-            if not sel:
-                continue
-            ax.plot([xs[k] for k in sel], [ys[k] for k in sel], ls="none", marker="o", ms=3.2,
-                    color=PHASE_COLORS[phase], alpha=0.85, zorder=3, mec="none")
-            handles.append(Line2D([], [], ls="none", marker="o", ms=5, color=PHASE_COLORS[phase], label=phase))
-        if bad:
-            ax.plot([xs[k] for k in bad], [ys[k] for k in bad], ls="none", marker="X", ms=6, color="#8b0000",
-                    zorder=4)
-            handles.append(Line2D([], [], ls="none", marker="X", ms=6, color="#8b0000", label="NaN/Inf"))
-        if first_x is not None:
-            ax.axvline(first_x, color="#c0392b", ls="--", lw=1, zorder=1)
-            ax.annotate(f"first divergence: {_short(first.module or '(model)')} ({first.phase}, step {first.step})",
-                        xy=(first_x, 0.97), xycoords=ax.get_xaxis_transform(), xytext=(4, 0),
-                        textcoords="offset points", ha="left" if first_x < len(ordered) * 0.6 else "right",
-                        va="top", color="#c0392b", fontsize=8.5,
-                        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85})
-        ax.set_xlabel("execution order (step → phase → call)")
-        ax.set_ylabel("drift ratio (error / floor)")
-        ax.grid(axis="y", which="major", color="#e5e5e5", lw=0.6)
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
-        return _svg(fig, "driftcheck-drift", "drift ratio along execution order")
 
 
 def _histogram_chart(hist: dict[str, Any], floor: float | None, salt: str) -> str:
