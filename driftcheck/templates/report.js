@@ -262,13 +262,18 @@
       return out;
     };
 
+    // Step bands, shaded every other step, and their labels: a few dozen at most (each shape is
+    // drawn on every redraw); a long run is labelled every k-th step.
     var shapes = [], annotations = [];
+    var STEP_MARKS = 24, every = Math.ceil(data.steps.length / STEP_MARKS);
     if (data.steps.length > 1) {
       data.steps.forEach(function (st, k) {
-        if (k % 2) shapes.push({ type: "rect", xref: "x", yref: "paper", x0: st[1] - 0.5, x1: st[2] + 0.5, y0: 0, y1: 1,
-          fillcolor: "#f2f2f2", line: { width: 0 }, layer: "below" });
-        annotations.push({ x: (st[1] + st[2]) / 2, y: 1, xref: "x", yref: "paper", yanchor: "bottom", showarrow: false,
-          text: "step " + st[0], font: { size: 10, color: "#666" } });
+        if (k % every) return;
+        var last = data.steps[Math.min(k + every - 1, data.steps.length - 1)];
+        if ((k / every) % 2) shapes.push({ type: "rect", xref: "x", yref: "paper", x0: st[1] - 0.5, x1: last[2] + 0.5,
+          y0: 0, y1: 1, fillcolor: "#f2f2f2", line: { width: 0 }, layer: "below" });
+        annotations.push({ x: (st[1] + last[2]) / 2, y: 1, xref: "x", yref: "paper", yanchor: "bottom", showarrow: false,
+          text: every > 1 ? "steps " + st[0] + "\u2013" + last[0] : "step " + st[0], font: { size: 10, color: "#666" } });
       });
     }
     if (data.first !== null) {
@@ -333,7 +338,9 @@
     var esc = function (t) { return t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;"); };
     var mapLayout = {
       height: Math.max(220, Math.min(900, 40 + 15 * R)), margin: { l: showNames ? 220 : 40, r: 20, t: 10, b: 40 },
-      xaxis: { tickvals: xt.map(function (_, k) { return k; }), ticktext: xt, side: "bottom", fixedrange: false },
+      // at most ~30 column labels: a long run has thousands of columns
+      xaxis: { tickvals: xt.map(function (_, k) { return k; }).filter(function (k) { return k % Math.ceil(C / 30) === 0; }),
+        ticktext: xt.filter(function (_, k) { return k % Math.ceil(C / 30) === 0; }), side: "bottom", fixedrange: false },
       yaxis: { tickvals: showNames ? map.modules.map(function (_, k) { return k; }) : [],
         ticktext: showNames ? map.modules.map(function (m) { return esc(m.length > 36 ? "\u2026" + m.slice(-35) : m); }) : [],
         autorange: "reversed", showticklabels: showNames },

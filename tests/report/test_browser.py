@@ -320,3 +320,18 @@ def execution_order_of(report: Report) -> list:
     from driftcheck.report.common import execution_order
 
     return execution_order(report.entries)
+
+
+def test_a_long_run_draws_a_bounded_chart(browser, tmp_path) -> None:
+    """150 steps: the chart labels at most 24 step bands and the map at most ~30 columns, so
+    the page does not slow down with the number of steps (docs/performance.md, report_open)."""
+    report = big_report(n_modules=24, steps=150)
+    opened = Opened(browser, report, tmp_path / "long.html")
+    page = opened.page
+    annotations = page.evaluate("document.getElementById('ratio-chart').layout.annotations.length")
+    shapes = page.evaluate("document.getElementById('ratio-chart').layout.shapes.length")
+    ticks = page.evaluate("document.getElementById('module-map').layout.xaxis.tickvals.length")
+    assert 0 < annotations <= 25 and shapes <= 14 and 0 < ticks <= 31
+    labels = page.evaluate("document.getElementById('ratio-chart').layout.annotations.map(a => a.text)")
+    assert labels[0].startswith("steps 0") and labels[-1].endswith("149")
+    opened.clean()
