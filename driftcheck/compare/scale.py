@@ -12,6 +12,9 @@ from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.kinks import KINK_NEAR, density_near_zero
 from driftcheck.compare.measure import rms_of
+
+LINEAR_STATE = ("exp_avg", "momentum_buffer")  # optimizer moments linear in the gradient
+SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq", "sum")  # ... in its square
 from driftcheck.compare.propagation import NONE
 from driftcheck.report import Finding
 from driftcheck.store.reader import TraceReader
@@ -207,12 +210,17 @@ class Scales:
         c_out = r.shape[0]
         total = own = absum = None
         bound = 0.0
+        # the kernel sums in the dtype it computes in: its output gradient's (a bf16 LayerNorm
+        # under autocast keeps fp32 parameters and gradients), at least the gradient's own
+        kernel = [self.tgt_map[r.align].dtype] if r.align in self.tgt_map else []
         for call in sorted(self.ref_index.calls.get((s, m), ())):
             for e in self.ref_index.gout.get((s, m, call), [])[:1]:
                 t = self.tgt_map.get(e.align)
                 err = self.errors.get(e.align)
                 if t is None or len(e.shape) < 1:
                     continue
+                if dtypes.is_float(t.dtype):
+                    kernel.append(t.dtype)
                 dim = 1 if len(e.shape) > 1 and e.shape[1] == c_out and e.shape[-1] != c_out else -1
                 if e.shape[dim] != c_out:
                     continue
@@ -236,7 +244,8 @@ class Scales:
             tb = self.tgt.tensor(t.raw) if t is not None else None
             if tb is not None and tb.shape == own.shape and absum is not None:
                 gap = (tb.double() - own).abs()
-                lost = gap.minimum(dtypes.unit_roundoff(t.dtype) * absum)
+                coarse = max(kernel, key=dtypes.unit_roundoff)
+                lost = gap.minimum(dtypes.unit_roundoff(coarse) * absum)
                 total = total.abs() + lost
                 share = float(gap.pow(2).mean().sqrt()) / max(float(own.pow(2).mean().sqrt()), 1e-300)
                 if share > LOW_PRECISION_SUM and not any(
@@ -247,10 +256,38 @@ class Scales:
                         f"{self._grad_terms(r)} "
                         f"positions in low precision: it differs from the sum of the target's own "
                         f"output gradient by {100 * share:.3g}% (rms); within the worst case of a "
-                        f"{t.dtype} sum, not judged as drift", phase="grads", key=r.key,
+                        f"{coarse} sum, not judged as drift", phase="grads", key=r.key,
                         severity="warning", details={"share": share}))
             return float(total.pow(2).mean().sqrt()), float(total.abs().max())
         return bound, bound
+
+    def _state_from_grad(self, r: TraceEntry) -> tuple[float, float]:
+        """The error an optimizer's running moment takes from its gradient's, in absolute
+        terms: a relative error caps at REL_CAP, yet a gradient below its rounding noise (a
+        bias summed in bf16) is off by several times its size and so is its moment.
+        m = b m' + (1 - b) g moves by c dg, c = rms(m) / rms(g) ((1 - b) at the first step);
+        v = b v' + (1 - b) g^2 by c2 (2 g dg + dg^2) <= c2 (2 |g|max + |dg|max) rms(dg),
+        c2 = mean(v) / mean(g^2) (again 1 - b at the first step)."""
+        s, _, m, _, slot = r.align
+        parts = slot.split(".")
+        if len(parts) < 3 or parts[0] != "state" or parts[-1] not in LINEAR_STATE + SQUARED_STATE:
+            return 0.0, 0.0
+        # b m' carries the moment's error of the step before (b <= 1), measured or allowed
+        prev = self.errors.get((s - 1, "optimizer", m, 0, slot), NONE)
+        allowed = self._floors.get((s - 1, "optimizer", m, 0, slot), (0.0, 0.0))
+        carried = (max(prev.rms, allowed[0]), max(prev.max, allowed[1]))
+        g = self.ref_index.by_align.get((s, "grads", m, 0, f"param.{parts[1]}"))
+        err = self.errors.get(g.align) if g is not None else None
+        g_rms = rms_of(g.stats) if g is not None else 0.0
+        if err is None or not err.rms or not g_rms:
+            return carried
+        if parts[-1] in LINEAR_STATE:
+            c = rms_of(r.stats) / g_rms
+            return carried[0] + c * err.rms, carried[1] + c * err.max
+        c2 = abs(r.stats.get("mean") or 0.0) / (g_rms * g_rms)
+        g_max = g.stats.get("absmax") or 0.0
+        return (carried[0] + c2 * (2 * g_max + err.max) * err.rms,
+                carried[1] + c2 * (2 * g_max + err.max) * err.max)
 
     def _update_sign_flips(self, r: TraceEntry, ref_rms: float) -> float:
         """An adaptive optimizer's first steps are ~lr * sign(g): where a gradient element is

@@ -314,7 +314,9 @@ class LogitWatch(TorchFunctionMode):
 def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """[mean, max] over normalization groups of (rms / std)^2 of a mean-subtracting norm's input: how
     much subtracting the mean amplifies the input's error (a channel whose mean is far above its
-    spread, as after a 1x1 spatial map with batch 2, cancels). On x's device; None for others."""
+    spread, as after a 1x1 spatial map with batch 2, cancels). For LayerNorm and GroupNorm the rms
+    is at least the whole input's (a token far smaller than the stream it sits in). On x's device;
+    None for others."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
         return None
     with torch.no_grad():
@@ -333,4 +335,11 @@ def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         ms = xf.pow(2).mean(dim=dims)
         var = xf.var(dim=dims, unbiased=False)
         g = (ms / (var + eps)).clamp(min=1.0).reshape(-1)
-        return torch.stack([g.mean(), g.max()])  # the rms gain^2 and the worst group's
+        worst = g.max()
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+            # Per-token and per-sample groups share one stream, which mixes them (attention):
+            # a group far smaller than the rest (a token of small activations) can carry an
+            # error of the stream's size, amplified by the stream's rms over its own std. That
+            # bounds the worst element; the rms gain stays each group's own.
+            worst = torch.maximum(worst, (xf.pow(2).mean() / (var + eps)).max())
+        return torch.stack([g.mean(), worst])  # the rms gain^2 and the worst group's
