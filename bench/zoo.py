@@ -336,6 +336,8 @@ def main() -> int:
     if args.worker:
         return worker(args)
     names = select(args)
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)  # the workers make their folders in it
     if args.list:
         for n in names:
             print(f"{CATALOGUE[n][0]:12s} {n}")

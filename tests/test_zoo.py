@@ -74,3 +74,19 @@ def test_zoo_entries_load_as_model_specs():
 
     sc = load_scenario(f"{Path(zoo.__file__).resolve()}:hf_falcon")
     assert sc.steps == 2 and sum(p.numel() for p in sc.model.parameters()) > 1000
+
+
+# The floor classes this session's corpus run exposed, each on the architecture that showed it
+# and the one control that failed there (docs/diagnosis.md): a bf16 LayerNorm bias summed over
+# a pooled stream, Adam's moments of that gradient (hf_focalnet); a token far smaller than the
+# stream a LayerNorm normalizes (hf_deit); the same norm's bias under autocast (hf_swinv2).
+CLASSES = [("hf_focalnet", "bf16"), ("hf_deit", "bf16"), ("hf_swinv2", "autocast")]
+
+
+@pytest.mark.parametrize("arch,control", CLASSES, ids=[f"{a}-{c}" for a, c in CLASSES])
+def test_floor_class_of_the_corpus_passes(arch, control, tmp_path):
+    r = zoo.run_arch(arch, tmp_path, ("full",), controls=(control,), locals_=(False,))
+    assert r["status"] == "ok", r.get("error")
+    (case,) = r["controls"]
+    assert case["verdict"] == "pass", (case.get("decided_by"), case.get("worst", [])[:2])
+    assert all(f["localized"] for f in r["faults"]), r["faults"]
