@@ -278,14 +278,21 @@ class Scales:
         carried = (max(prev.rms, allowed[0]), max(prev.max, allowed[1]))
         g = self.ref_index.by_align.get((s, "grads", m, 0, f"param.{parts[1]}"))
         err = self.errors.get(g.align) if g is not None else None
-        g_rms = rms_of(g.stats) if g is not None else 0.0
-        if err is None or not err.rms or not g_rms:
+        if g is None or err is None or not err.rms:
+            return carried
+        # c from the reference's moment and gradient, or the target's where the reference's
+        # gradient is exactly zero (a unit dead on one side only)
+        state, grad = r.stats, g.stats
+        if not rms_of(grad) and g.align in self.tgt_map and r.align in self.tgt_map:
+            state, grad = self.tgt_map[r.align].stats, self.tgt_map[g.align].stats
+        g_rms = rms_of(grad)
+        if not g_rms:
             return carried
         if parts[-1] in LINEAR_STATE:
-            c = rms_of(r.stats) / g_rms
+            c = rms_of(state) / g_rms
             return carried[0] + c * err.rms, carried[1] + c * err.max
-        c2 = abs(r.stats.get("mean") or 0.0) / (g_rms * g_rms)
-        g_max = g.stats.get("absmax") or 0.0
+        c2 = abs(state.get("mean") or 0.0) / (g_rms * g_rms)
+        g_max = max(g.stats.get("absmax") or 0.0, grad.get("absmax") or 0.0)
         return (carried[0] + c2 * (2 * g_max + err.max) * err.rms,
                 carried[1] + c2 * (2 * g_max + err.max) * err.max)
 
