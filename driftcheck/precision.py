@@ -271,6 +271,10 @@ def _fp32_roundoff(settings: dict[str, Any], op: str) -> float:
     precision = settings.get("matmul_precision") or "highest"
     fp32 = settings.get("fp32_precision") or {}
     conv = op == "conv"
+    emulation = settings.get("emulation") or {}
+    if emulation.get("backend") == "tpu":
+        # driftcheck/emulate.py: this CPU/CUDA run computed its matmuls as a TPU does
+        return TPU_MATMUL_ROUNDOFF.get(emulation.get("matmul_precision") or "default", 2.0**-8)
     if device == "tpu":
         # XLA's precision config covers dot and convolution alike.
         return TPU_MATMUL_ROUNDOFF.get(precision, 2.0**-8)

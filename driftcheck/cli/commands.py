@@ -73,8 +73,12 @@ def models(obj: _Ctx) -> None:
 @click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched", show_default=True,
               help="One device-to-host copy per step, or one per capture (more sync points).")
 @click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None, help="Run the forward under torch.autocast.")
-@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium"]), default=None,
-              help="torch.set_float32_matmul_precision for this run.")
+@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium", "default"]), default=None,
+              help="torch.set_float32_matmul_precision for this run; with --emulate tpu the TPU level "
+                   "(default = torch's medium, high, highest)  [default: torch's, or 'default' when emulating]")
+@click.option("--emulate", type=click.Choice(["tpu"]), default=None,
+              help="Compute every matmul and convolution as a TPU does at --matmul-precision (bf16 "
+                   "passes), on this CPU or CUDA device  [default: off]")
 @click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
               help="Emulated fp8 training of Linear layers (torch._scaled_mm).")
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
@@ -91,7 +95,7 @@ def models(obj: _Ctx) -> None:
 def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
-           autocast: str | None, matmul_precision: str | None, fp8: str | None,
+           autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
            view_audit: bool, local: str | None, simulate: str | None,
            parallel: str | None) -> None:
     """Record MODEL's training steps into a trace directory.
@@ -114,7 +118,17 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
 
     parse_dtype(dtype)
     torch_device = devices.open_device(device)
-    if matmul_precision:
+    emulate_level = None
+    if emulate:
+        from driftcheck.emulate import level_of
+
+        if dev_type not in ("cpu", "cuda"):
+            raise DriftcheckError(f"--emulate tpu runs on a CPU or CUDA device, not {device!r}; on a TPU "
+                                  "record without --emulate")
+        emulate_level = level_of(matmul_precision)
+    elif matmul_precision == "default":
+        matmul_precision = "medium"  # torch_tpu's name for torch's medium
+    if matmul_precision and not emulate:
         from driftcheck import precision
 
         precision.apply_settings(matmul_precision=matmul_precision)
@@ -142,7 +156,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
             full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
-            simulate=simulate, parallel=parallel, on_step=on_step))
+            simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step))
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
@@ -282,8 +296,12 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
               help="Run the target's forward under torch.autocast  [default: off]")
 @click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
               help="Target Linear layers in emulated fp8  [default: off]")
-@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium"]), default=None,
-              help="Target's float32 matmul precision  [default: torch's, 'highest']")
+@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium", "default"]), default=None,
+              help="Target's float32 matmul precision; with --emulate tpu the TPU level  [default: torch's "
+                   "'highest', or 'default' when emulating]")
+@click.option("--emulate", type=click.Choice(["tpu"]), default=None,
+              help="Compute the target's matmuls and convolutions as a TPU does at --matmul-precision, "
+                   "on a CPU or CUDA target  [default: off]")
 @click.option("--truth", type=click.Choice(["fp64"]), default=None,
               help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local", "local", is_flag=True,
@@ -319,7 +337,7 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
 @click.pass_obj
 def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
-        truth: str | None, local: bool, out: str, force: bool, steps: int | None, seed: int, mode: str,
+        emulate: str | None, truth: str | None, local: bool, out: str, force: bool, steps: int | None, seed: int, mode: str,
         include: tuple, exclude: tuple, full_modules: tuple, phases: str | None,
         capture_steps: str | None, transfer: str, view_audit: bool, simulate: str | None,
         policy_path: str | None, limit: float | None, top: int, html: bool, junit_path: str | None,
@@ -337,7 +355,7 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
     _ranges(capture_steps)
     sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
                   reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
-                  fp8=fp8, matmul_precision=matmul_precision, truth=truth, local=local,
+                  fp8=fp8, matmul_precision=matmul_precision, emulate=emulate, truth=truth, local=local,
                   steps=steps, seed=seed, mode=mode, force=force, include=include, exclude=exclude,
                   full_modules=full_modules, phases=phases, capture_steps=capture_steps,
                   transfer=transfer, view_audit=view_audit, simulate=simulate)

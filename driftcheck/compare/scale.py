@@ -190,6 +190,13 @@ class Scales:
         if r.phase in ("forward", "backward", "loss") and (kind in MATMUL_KINDS or r.phase == "loss"):
             for run, e in ((self.ref.run, r), (self.tgt.run, t)):
                 u = max(u, _matmul_roundoff(run, e.dtype, r.phase, kind))
+        if r.phase == "grads" and r.slot == "param.weight":
+            # a weight gradient is a matmul too (of the output gradient and the input): the
+            # run's matmul precision applies (TF32, a TPU's bf16 passes)
+            owner = self._owner_kind(r)
+            if owner in MATMUL_KINDS:
+                for run, e in ((self.ref.run, r), (self.tgt.run, t)):
+                    u = max(u, _matmul_roundoff(run, e.dtype, "backward", owner))
         u_acc = max(dtypes.accumulation_roundoff(r.dtype), dtypes.accumulation_roundoff(t.dtype))
         return u, u_acc
 

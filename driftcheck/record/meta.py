@@ -330,6 +330,13 @@ def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         elif isinstance(m, nn.GroupNorm) and xf.dim() >= 2:
             xf = xf.reshape(xf.shape[0], m.num_groups, -1)
             dims, eps = [2], m.eps
+        elif isinstance(m, getattr(nn, "RMSNorm", ())) or "rmsnorm" in type(m).__name__.lower():
+            # No mean to subtract: each row's own gain is 1, but a row far smaller than the
+            # stream (which attention mixes into it) is divided by its own small rms.
+            ms = xf.pow(2).mean(dim=-1)
+            eps = float(getattr(m, "eps", None) or getattr(m, "variance_epsilon", None) or 1e-6)
+            worst = (xf.pow(2).mean() / (ms + eps)).max().clamp(min=1.0)
+            return torch.stack([torch.ones((), device=worst.device), worst])
         else:
             return None
         ms = xf.pow(2).mean(dim=dims)

@@ -36,6 +36,7 @@ class Sides:
     autocast: str | None = None
     fp8: str | None = None
     matmul_precision: str | None = None
+    emulate: str | None = None  # "tpu": the target computes its matmuls as a TPU does
     truth: str | None = None  # "fp64": a float64 record on CPU from the same replay
     local: bool = False
     steps: int | None = None
@@ -102,7 +103,8 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     tgt_args = [sides.model, "--out", str(tgt_dir), "--device", sides.target, "--dtype",
                 sides.target_dtype, "--replay", str(ref_dir)] + common
     for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
-                      ("--matmul-precision", sides.matmul_precision), ("--simulate", sides.simulate)):
+                      ("--matmul-precision", sides.matmul_precision), ("--simulate", sides.simulate),
+                      ("--emulate", sides.emulate)):
         if val:
             tgt_args += [flag, val]
     if sides.local:
@@ -122,6 +124,9 @@ def check(sides: Sides) -> None:
     if sides.local and sides.mode != "full":
         raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "
                               "or drop --local")
+    if sides.emulate and devices.parse_device(sides.target)[0] not in ("cpu", "cuda"):
+        raise DriftcheckError(f"--emulate tpu runs on a CPU or CUDA target, not {sides.target!r}; on a "
+                              "TPU target drop --emulate")
     if sides.full_modules and sides.mode != "auto":
         raise DriftcheckError(f"--full-modules only takes effect with --mode auto (this run is "
                               f"--mode {sides.mode}); add --mode auto or drop --full-modules")

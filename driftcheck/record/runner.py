@@ -48,6 +48,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
            exclude: Iterable[str] | None = None, full_modules: Iterable[str] | None = None,
            phases: Iterable[str] | None = None, capture_steps: Iterable[int] | None = None,
            transfer: str = "batched", autocast: str | None = None, fp8: str | None = None,
+           emulate: str | None = None,
            local: str | os.PathLike | None = None, view_audit: bool = False,
            simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
            target_hooks: Callable[[nn.Module], Any] | None = None,
@@ -62,6 +63,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         replay: a reference trace whose initial weights and inputs this run starts from.
         mode, include, exclude, full_modules, phases, capture_steps, transfer: see Tracer.
         autocast: "bf16"/"fp16" to run the forward under torch.autocast.
+        emulate: a TPU matmul precision level ("default", "high", "highest"): every matmul and
+            convolution, forward and backward, computed as torch_tpu does (driftcheck/emulate.py).
         fp8: "e4m3", "e5m2" or "hybrid": Linear matmuls through emulated fp8.
         local: a full-mode reference trace (the one replayed): every leaf module is also rerun
             on that reference's inputs of the same call, and its output (and input gradients,
@@ -76,9 +79,9 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
     tdtype = parse_dtype(dtype)
     rank = world = backend = None
     if parallel:
-        if fp8 or local is not None or simulate or view_audit:
+        if fp8 or local is not None or simulate or view_audit or emulate:
             raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
-                                  "--simulate and --view-audit, or record a single process")
+                                  "--simulate, --emulate and --view-audit, or record a single process")
         rank, world, backend = ranks.init_from_env(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -186,9 +189,14 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         fault_ctx: Any = contextlib.nullcontext()
         if simulate:
             fault_ctx = simulated_backend(simulate)
+        emulate_ctx: Any = contextlib.nullcontext()
+        if emulate:
+            from driftcheck.emulate import emulate_tpu
+
+            emulate_ctx = emulate_tpu(emulate)
         try:
             # the fault outside the audit, so the audit sees what the faulty backend does
-            with fault_ctx, audit_ctx:
+            with fault_ctx, emulate_ctx as emulation, audit_ctx:
                 train(trained, batches, scenario, optimizer, device=device, dtype=tdtype,
                       dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
                       on_step=on_step, model_id=model_id)
@@ -213,6 +221,10 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                            **({"rank": rank, "world_size": world, "parallel": parallel,
                                "backend": backend} if parallel else {}),
                            **({"simulated_changes": fault_ctx.changes} if simulate else {}))
+        if emulate:
+            run["emulation"] = {"backend": "tpu", "matmul_precision": emulate,
+                                "ops": dict(sorted(emulation.calls.items()))}
+            run.setdefault("precision", {})["emulation"] = {"backend": "tpu", "matmul_precision": emulate}
         if not writer.entries:
             raise DriftcheckError(
                 f"the record captured no tensor ({n_steps} step(s) ran): --phases, --include, "

@@ -129,8 +129,11 @@ def precision_words(run: dict[str, Any]) -> str:
     fp8 = run.get("fp8") or prec.get("fp8")
     if fp8:
         words += f" with fp8 ({fp8}) Linear layers"
+    emulation = run.get("emulation") or prec.get("emulation") or {}
     matmul = prec.get("matmul_precision")
-    if matmul and matmul != "highest":
+    if emulation.get("backend"):
+        words += f" with {emulation['backend'].upper()} matmuls at {emulation.get('matmul_precision')!r}"
+    elif matmul and matmul != "highest":
         words += f" at float32 matmul precision {matmul!r}"
     return words
 
