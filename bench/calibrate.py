@@ -42,8 +42,8 @@ def main() -> int:
     torch.set_num_threads(1)
     models = args.models.split(",") if args.models else ["mlp", "resnet", "llama", "vit"]
     if not args.models and not args.quick:
-        models += ["hf:llama", "hf:qwen3", "hf:gemma", "hf:deepseek_v3", "hf:vit", "hf:resnet",
-                   "hf:convnext", "hf:whisper", "hf:wav2vec2"]
+        models += ["hf:llama", "hf:qwen2", "hf:qwen3", "hf:gemma", "hf:mistral", "hf:deepseek_v3", "hf:vit",
+                   "hf:dinov2", "hf:resnet", "hf:convnext", "hf:whisper", "hf:wav2vec2", "hf:unet"]
     seeds = list(range(args.seeds)) if args.seeds else ([0] if args.quick else [0, 1, 2])
     dtypes = args.targets.split(",") if args.targets else (
         ["bf16"] if args.quick else ["bf16", "fp16", "tpu:default", "tpu:high", "tpu:highest"])

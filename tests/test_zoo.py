@@ -79,8 +79,10 @@ def test_zoo_entries_load_as_model_specs():
 # The floor classes this session's corpus run exposed, each on the architecture that showed it
 # and the one control that failed there (docs/diagnosis.md): a bf16 LayerNorm bias summed over
 # a pooled stream, Adam's moments of that gradient (hf_focalnet); a token far smaller than the
-# stream a LayerNorm normalizes (hf_deit); the same norm's bias under autocast (hf_swinv2).
-CLASSES = [("hf_focalnet", "bf16"), ("hf_deit", "bf16"), ("hf_swinv2", "autocast")]
+# stream a LayerNorm normalizes (hf_deit); the same norm's bias under autocast (hf_swinv2); a
+# CTC loss's gradient, which carries its logits' absolute error (hf_data2vec_audio, 2 threads).
+CLASSES = [("hf_focalnet", "bf16"), ("hf_deit", "bf16"), ("hf_swinv2", "autocast"),
+           ("hf_data2vec_audio", "threads")]
 
 
 @pytest.mark.parametrize("arch,control", CLASSES, ids=[f"{a}-{c}" for a, c in CLASSES])

@@ -119,6 +119,8 @@ class Judging:
                 extra_rms, extra_max = max(extra_rms, allowed[0]), max(extra_max, allowed[1])
         if r.phase == "optimizer" and r.slot.startswith("state."):
             extra_rms, extra_max = self._state_from_grad(r)
+        if r.phase == "backward" and r.slot.startswith("grad_output"):
+            extra_rms, extra_max = self._ctc_gradient(r)
         if r.phase == "optimizer" and r.slot.startswith("param."):
             upd_rms, upd_max = self._update_scale(r)
             extra_rms, extra_max = C_UPDATE * upd_rms, 2.0 * upd_max

@@ -303,6 +303,26 @@ class Scales:
         return (carried[0] + c2 * (2 * g_max + err.max) * err.rms,
                 carried[1] + c2 * (2 * g_max + err.max) * err.max)
 
+    def _ctc_gradient(self, r: TraceEntry) -> tuple[float, float]:
+        """The output gradient of a module whose output the code around it feeds to a CTC loss
+        over T frames (meta ``ctc_frames`` of that call). Its gradient, softmax - gamma, moves by
+        the logits' absolute error through the softmax, and through the alignment posteriors
+        gamma by the error of a whole path's log-probability: a sum over the T frames, about
+        sqrt(T) of them for rounding errors. A relative error says nothing of either, where the
+        gradient is far smaller than the logits (hf wav2vec2: 30x its logits' relative error)."""
+        # the loss is computed by the code around the module (its parent's), or by the module's
+        # own code from the output it also returns (a Hugging Face model computing its loss)
+        calls = [c for c in (self.ref_index.parent_of(r), (r.step, r.module, r.call)) if c is not None]
+        frames = max((int(e.meta.get("ctc_frames") or 0) for c in calls
+                      for e in self.ref_index.fwd_out.get(c, ())), default=0)
+        if not frames:
+            return 0.0, 0.0
+        out = self.errors.get((r.step, "forward", r.module, r.call, r.slot.removeprefix("grad_")))
+        if out is None:
+            return 0.0, 0.0
+        gain = 1.0 + math.sqrt(frames)
+        return gain * out.rms, gain * out.max
+
     def _update_sign_flips(self, r: TraceEntry, ref_rms: float) -> float:
         """An adaptive optimizer's first steps are ~lr * sign(g): where a gradient element is
         within its error of zero the two runs step 2 lr apart. Few and full-size, a sample of

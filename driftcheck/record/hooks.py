@@ -102,6 +102,9 @@ class ForwardHooks:
             logits = self._logits.pop((name_, call), None)
             if logits is not None:
                 dev_meta = dict(dev_meta or {}, logit_absmax=logits)
+            ctc = self._ctc.pop((name_, call), None)
+            if ctc:  # this call's code computed a CTC loss over that many frames
+                ctx = dict(ctx, ctc_frames=ctc)
             if self._capturing("forward"):
                 for i, (slot, t) in enumerate(outputs):
                     self._capture(name, "forward", call, slot, t, extra=ctx,

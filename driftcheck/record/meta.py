@@ -281,11 +281,14 @@ def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: boo
 
 class LogitWatch(TorchFunctionMode):
     """While active, ``on_logits(absmax)`` gets the weighted |logit| max of every softmax and
-    scaled_dot_product_attention call (a device scalar: no sync)."""
+    scaled_dot_product_attention call (a device scalar: no sync), and ``on_ctc(frames)`` the
+    time length of every CTC loss."""
 
-    def __init__(self, on_logits: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, on_logits: Callable[[torch.Tensor], None],
+                 on_ctc: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.on_logits = on_logits
+        self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -297,6 +300,10 @@ class LogitWatch(TorchFunctionMode):
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
                     with torch.no_grad():
                         self.on_logits(_weighted_absmax(x, dim if isinstance(dim, int) else -1))
+            elif name == "ctc_loss" and self.on_ctc is not None:
+                lp = args[0] if args else kwargs.get("log_probs")
+                if isinstance(lp, torch.Tensor) and lp.dim() >= 2:
+                    self.on_ctc(int(lp.shape[0]))  # (T, N, C) or (T, C): no sync
             elif name == "scaled_dot_product_attention":
                 q = args[0] if args else kwargs.get("query")
                 k = args[1] if len(args) > 1 else kwargs.get("key")

@@ -123,7 +123,13 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
     def logit_watch(self) -> LogitWatch:
         """A torch function mode to run the forward under: the largest softmax logit of each
         module call goes into its output's meta (``logit_absmax``, a floor input)."""
-        return LogitWatch(self._on_logits)
+        return LogitWatch(self._on_logits, self._on_ctc)
+
+    def _on_ctc(self, frames: int) -> None:
+        if self._replaying or not self._stack or not self._active:
+            return
+        key = self._stack[-1]
+        self._ctc[key] = max(self._ctc.get(key, 0), frames)
 
     def _on_logits(self, absmax: torch.Tensor) -> None:
         if self._replaying or not self._stack or not self._active:
@@ -197,6 +203,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._updated = False
         self._bn_before: dict[tuple[str, int], Any] = {}
         self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
+        self._ctc: dict[tuple[str, int], int] = {}  # (module, call) -> frames of its CTC loss
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
         self._span_start: dict[tuple[str, int], int] = {}  # a call's first sequence number
