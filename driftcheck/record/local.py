@@ -133,7 +133,13 @@ class LocalReplay:
             for slot, t in outs:
                 g = self._ref(step, "backward", name, call, "grad_" + slot)
                 if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
-                    pairs.append((t, g.to(device=t.device, dtype=t.dtype)))
+                    g = g.to(device=t.device, dtype=t.dtype)
+                    pairs.append((t, g))
+                    # The recorded gradient of an output is its total: where the module also
+                    # computes another output from it (a router's scores from its logits), the
+                    # other output's share is already in it. The hook makes the replay's total at
+                    # this tensor the recorded one instead of adding that share a second time.
+                    t.register_hook(lambda _total, g=g: g)
             if not pairs:
                 return results
             grads = torch.autograd.grad([t for t, _ in pairs], [x for _, x in leaves],

@@ -645,3 +645,40 @@ def test_small_token_norm_fault_still_caught(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_SmallToken, (4, 16, 32)), dtype="fp32", local=False,
                 hooks=scale_output("attn", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "attn"
+
+
+# -- a module that computes one output from another: the recorded gradient of the first is its total
+class _Router(nn.Module):
+    """A top-k router as Mixtral's: it returns its logits and the softmax scores of its top 2,
+    computed from those logits; the caller uses both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16) * 0.2)
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        scores, _ = logits.softmax(-1).topk(2, dim=-1)
+        return logits, scores
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.gate, self.head = nn.Linear(16, 16), _Router(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        logits, scores = self.gate(h)
+        return self.head(h) * scores.sum(-1, keepdim=True) + logits
+
+
+def test_local_replay_of_an_output_computed_from_another_pass(tmp_path):
+    """The replay fed the logits' recorded gradient, which already holds the scores' share, and
+    the scores' gradient on top: twice that share, a local ratio of ~256 on an fp32 replay of
+    the same run (hf_mixtral's gate)."""
+    rep = _pair(tmp_path, lambda: _scenario(_Routed, (8, 16)), dtype="fp32")
+    gin = next(e for e in rep.entries if e.module == "gate" and e.phase == "backward"
+               and e.slot == "grad_input.0" and e.step == 0)
+    assert gin.local_ratio is not None and gin.local_ratio < 1.0, gin.local_ratio
+    assert rep.verdict == "pass", _worst(rep)
