@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
-TPU_FIX = "pip install 'driftcheck[tpu]'"
+TPU_FIX = 'pip install torch-tpu==0.2.0 (Linux x86_64; from a driftcheck checkout: pip install -e ".[tpu]")'
 # Backends that never need an out-of-tree plugin: for them the autoload is switched off.
 BUILTIN_TYPES = ("cpu", "cuda", "mps", "xpu")
 KNOWN_TYPES = ("cpu", "cuda", "tpu", "mps", "xpu")

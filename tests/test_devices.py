@@ -115,7 +115,9 @@ def test_open_tpu_without_torch_tpu_names_the_extra() -> None:
     assert devices.torch_tpu_version() is None  # this machine: no torch_tpu
     with pytest.raises(DriftcheckError) as err:
         open_device("tpu")
-    assert str(err.value) == "device 'tpu' needs torch_tpu: pip install 'driftcheck[tpu]'"
+    # a line that works: driftcheck itself is not on the package index (pip install 'driftcheck[tpu]' fails)
+    assert str(err.value) == ("device 'tpu' needs torch_tpu: pip install torch-tpu==0.2.0 (Linux x86_64; "
+                              "from a driftcheck checkout: pip install -e \".[tpu]\")")
 
 
 class _FakeAccelerator:

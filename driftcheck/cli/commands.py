@@ -44,7 +44,7 @@ def models(obj: _Ctx) -> None:
         from driftcheck import hf
 
         avail = hf.is_available()
-        click.echo("Hugging Face families (hf:<family>, needs transformers: pip install 'driftcheck[hf]')"
+        click.echo("Hugging Face families (hf:<family>, needs transformers: pip install transformers)"
                    + ("" if avail else " [transformers not installed]") + ":")
         for name, desc in sorted(hf.FAMILIES.items()):
             click.echo(f"  hf:{name:11s} {desc}")

@@ -213,7 +213,8 @@ def adamw(params: Any) -> "torch.optim.Optimizer":
 
 def _transformers(what: str) -> Any:
     if not is_available():
-        raise DriftcheckError(f"hf:{what} needs transformers: pip install 'driftcheck[hf]'")
+        raise DriftcheckError(f"hf:{what} needs transformers: pip install transformers (from a "
+                              "driftcheck checkout: pip install -e \".[hf]\")")
     import transformers
 
     return transformers
