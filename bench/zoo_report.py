@@ -157,6 +157,11 @@ def f_size(r: dict[str, Any], f: dict[str, Any]) -> float | None:
     return f.get("size_floors") if f.get("size_floors") is not None else (sizes[0] if sizes else None)
 
 
+def _section(title: str, header: str) -> list[str]:
+    """A Markdown section opening with a table: a blank line, the title, the header and its rule."""
+    return ["", f"## {title}", "", header, "|" + "---|" * (header.count("|") - 1)]
+
+
 def _loc(local: bool) -> str:
     return "yes" if local else "no"
 
@@ -184,29 +189,22 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"driftcheck {meta.get('commit')}{' (dirty)' if meta.get('dirty') else ''} from {meta.get('driftcheck')}, "
            f"torch {meta.get('torch')}, modes {meta.get('modes')}, {meta.get('jobs')} job(s), "
            f"{meta.get('wall_secs', 0) / 60:.1f} min wall", "",
-           "## Clean controls (false alarms = failed or errored verdicts / architectures)", "",
-           "| control | mode | local replay | cases | fail | error | model cannot run it | false-alarm rate | worst ratio |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           ] + _section("Clean controls (false alarms = failed or errored verdicts / architectures)",
+                        "| control | mode | local replay | cases | fail | error | model cannot run it | false-alarm rate | worst ratio |")[1:]
     for c in s["controls"]:
         out.append(f"| {c['control']} | {c['mode']} | {_loc(c['local'])} | {c['cases']} | {c['fail']} | "
                    f"{c['error']} | {c.get('n/a', 0)} | {100 * c['rate']:.1f}% | {_fmt(c['worst'])} |")
-    out += ["", "## Injected defect (x1.05 on a middle Linear/Conv output, fp32 target)", "",
-            "| mode | local replay | cases | detected | localized | errors | >= 4x floor: localized | size in bf16 floors (min / median) |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += _section("Injected defect (x1.05 on a middle Linear/Conv output, fp32 target)", "| mode | local replay | cases | detected | localized | errors | >= 4x floor: localized | size in bf16 floors (min / median) |")
     for f in s["faults"]:
         out.append(f"| {f['mode']} | {_loc(f['local'])} | {f['cases']} | {f['detected']} | {f['localized']} | "
                    f"{f['errors']} | {f['ge4_localized']}/{f['ge4']} | {_fmt(f['min_size'])} / {_fmt(f['median_size'])} |")
     worst = sorted(((r, c, e) for r in ok for c in r["controls"] for e in c.get("worst", [])[:1]),
                    key=lambda t: -_ratio(t[2]["score"]))[:15]
-    out += ["", "## The 15 worst clean ratios", "",
-            "| architecture | control | mode | local | ratio (local ratio) | module | phase | slot | module type | verdict |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    out += _section("The 15 worst clean ratios", "| architecture | control | mode | local | ratio (local ratio) | module | phase | slot | module type | verdict |")
     for r, c, e in worst:
         out.append(f"| {r['name']} | {c['control']} | {c['mode']} | {_loc(c['local'])} | {_fmt(e['ratio'])} ({_fmt(e.get('local_ratio'))}) | "
                    f"`{e['module'] or '(model)'}` | {e['phase']} | {e['slot']} | {e.get('module_type') or '-'} | {c['verdict']} |")
-    out += ["", "## Failing clean cases", "",
-            "| architecture | control | mode | local | worst entry (ratio/local ratio, module type) | first divergence | error findings |",
-            "|---|---|---|---|---|---|---|"]
+    out += _section("Failing clean cases", "| architecture | control | mode | local | worst entry (ratio/local ratio, module type) | first divergence | error findings |")
     for r in ok:
         for c in r["controls"]:
             if c["verdict"] == "pass":
@@ -221,9 +219,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                        f"{_fmt(e.get('local_ratio'))}, "
                        f"{e.get('module_type') or '-'}) | {_fd(c.get('first_divergence'))} | "
                        f"{', '.join(f'{k} x{v}' for k, v in kinds.items()) or '-'} |")
-    out += ["", "## Defects not localized", "",
-            "| architecture | mode | local | injected | size (floors) | verdict | blamed module (phase slot) |",
-            "|---|---|---|---|---|---|---|"]
+    out += _section("Defects not localized", "| architecture | mode | local | injected | size (floors) | verdict | blamed module (phase slot) |")
     for r in ok:
         for f in r["faults"]:
             if f.get("localized"):
@@ -236,8 +232,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in results:
         if r["status"] != "ok":
             out.append(f"- {r['name']} ({r['family']}): {r['status']}: {r.get('error')}")
-    out += ["", "## Time per architecture", "",
-            "| architecture | family | params | modules | entries (full ref) | seconds |", "|---|---|---|---|---|---|"]
+    out += _section("Time per architecture", "| architecture | family | params | modules | entries (full ref) | seconds |")
     for r in results:
         if r["status"] != "unbuildable":
             out.append(f"| {r['name']} | {r['family']} | {r.get('params', '-')} | {r.get('modules', '-')} | "

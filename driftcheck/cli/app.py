@@ -106,6 +106,53 @@ def _progress(obj: _Ctx) -> Any:
                     disable=obj.quiet or not sys.stderr.isatty())
 
 
+# -- options record and run share ---------------------------------------------------------------
+SIMULATED = ["views-become-copies", "drop-view-writes", "skip-bn-stats"]  # simulate.py's backends
+
+
+def _apply(f: Any, options: list[Any]) -> Any:
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def _capture_options(f: Any) -> Any:
+    """What a record captures (both sides of ``run`` capture alike, so their entries line up)."""
+    return _apply(f, [
+        click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True,
+                     help="full tensors, statistics + a seeded sample, or stats with full tensors for "
+                          "--full-modules."),
+        click.option("--include", multiple=True, help="Only these module globs (repeatable)  [default: all]"),
+        click.option("--exclude", multiple=True, help="Not these module globs (repeatable)  [default: none]"),
+        click.option("--full-modules", multiple=True, help="With --mode auto: module globs kept in full (repeatable)."),
+        click.option("--phases", default=None, help="Subset of forward,backward,grads,optimizer  [default: all]"),
+        click.option("--capture-steps", default=None, help="Steps to capture, e.g. 0-1,3  [default: all]"),
+        click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched",
+                     show_default=True, help="One device-to-host copy per step, or one per capture (more sync points)."),
+    ])
+
+
+def _precision_options(whose: str) -> Any:
+    """How a run computes: autocast, fp8, float32 matmul precision and TPU emulation. ``whose``
+    names the run they apply to in the help ("the", "the target's")."""
+    def decorate(f: Any) -> Any:
+        return _apply(f, [
+            click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None,
+                         help=f"Run {whose} forward under torch.autocast  [default: off]"),
+            click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
+                         help=f"Emulated fp8 training of {whose} Linear layers (torch._scaled_mm)  [default: off]"),
+            click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium", "default"]),
+                         default=None,
+                         help=f"{whose.capitalize()} float32 matmul precision; with --emulate tpu the TPU level "
+                              "(default = torch's medium, high, highest)  [default: torch's 'highest', or "
+                              "'default' when emulating]"),
+            click.option("--emulate", type=click.Choice(["tpu"]), default=None,
+                         help=f"Compute {whose} matmuls and convolutions as a TPU does at --matmul-precision "
+                              "(bf16 passes), on a CPU or CUDA device  [default: off]"),
+        ])
+    return decorate
+
+
 # -- compare ------------------------------------------------------------------------------------
 def _outputs_options(f: Any) -> Any:
     for opt in reversed([

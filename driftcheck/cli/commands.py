@@ -15,11 +15,14 @@ import click
 from driftcheck.cli.app import (
     EXIT_FAIL,
     EXIT_PASS,
+    SIMULATED,
     _Ctx,
+    _capture_options,
     _everywhere,
     _finish,
     _outputs_options,
     _phases,
+    _precision_options,
     _progress,
     _ranges,
     _write_outputs,
@@ -63,24 +66,8 @@ def models(obj: _Ctx) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
 @click.option("--replay", type=click.Path(), default=None, help="Start from this reference trace's weights and inputs.")
 @click.option("--force", is_flag=True, help="Overwrite an existing trace directory.")
-@click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True,
-              help="full tensors, statistics + a seeded sample, or stats with full tensors for --full-modules.")
-@click.option("--include", multiple=True, help="Only these module globs (repeatable).")
-@click.option("--exclude", multiple=True, help="Not these module globs (repeatable).")
-@click.option("--full-modules", multiple=True, help="With --mode auto: module globs kept in full.")
-@click.option("--phases", default=None, help="Subset of forward,backward,grads,optimizer.")
-@click.option("--capture-steps", default=None, help="Steps to capture, e.g. 0-1,3 (all by default).")
-@click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched", show_default=True,
-              help="One device-to-host copy per step, or one per capture (more sync points).")
-@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None, help="Run the forward under torch.autocast.")
-@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium", "default"]), default=None,
-              help="torch.set_float32_matmul_precision for this run; with --emulate tpu the TPU level "
-                   "(default = torch's medium, high, highest)  [default: torch's, or 'default' when emulating]")
-@click.option("--emulate", type=click.Choice(["tpu"]), default=None,
-              help="Compute every matmul and convolution as a TPU does at --matmul-precision (bf16 "
-                   "passes), on this CPU or CUDA device  [default: off]")
-@click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
-              help="Emulated fp8 training of Linear layers (torch._scaled_mm).")
+@_capture_options
+@_precision_options("the")
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
@@ -88,7 +75,7 @@ def models(obj: _Ctx) -> None:
 @click.option("--local", "local", type=click.Path(), default=None,
               help="Also rerun every leaf module on this reference's inputs (use with --replay REF): "
                    "compare then separates each module's own error from what it inherits.")
-@click.option("--simulate", type=click.Choice(["views-become-copies", "drop-view-writes", "skip-bn-stats"]),
+@click.option("--simulate", type=click.Choice(SIMULATED),
               default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
 @_everywhere
 @click.pass_obj
@@ -292,16 +279,7 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
               help="Target device: tpu, cuda[:N], cpu (a precision what-if), mps, xpu or a PrivateUse1 name.")
 @click.option("--reference-dtype", default="fp32", show_default=True, help="Reference dtype: fp32, bf16, fp16 or fp64.")
 @click.option("--target-dtype", default="fp32", show_default=True, help="Target dtype: fp32, bf16, fp16 or fp64.")
-@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None,
-              help="Run the target's forward under torch.autocast  [default: off]")
-@click.option("--fp8", type=click.Choice(["e4m3", "e5m2", "hybrid"]), default=None,
-              help="Target Linear layers in emulated fp8  [default: off]")
-@click.option("--matmul-precision", type=click.Choice(["highest", "high", "medium", "default"]), default=None,
-              help="Target's float32 matmul precision; with --emulate tpu the TPU level  [default: torch's "
-                   "'highest', or 'default' when emulating]")
-@click.option("--emulate", type=click.Choice(["tpu"]), default=None,
-              help="Compute the target's matmuls and convolutions as a TPU does at --matmul-precision, "
-                   "on a CPU or CUDA target  [default: off]")
+@_precision_options("the target's")
 @click.option("--truth", type=click.Choice(["fp64"]), default=None,
               help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local", "local", is_flag=True,
@@ -311,19 +289,10 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
 @click.option("--force", is_flag=True, help="Replace an earlier run in --out.")
 @click.option("--steps", type=int, default=None, help="Training steps  [default: the scenario's]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
-@click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True,
-              help="full tensors, statistics + a seeded sample, or stats with full tensors for --full-modules.")
-@click.option("--include", multiple=True, help="Only these module globs (repeatable)  [default: all]")
-@click.option("--exclude", multiple=True, help="Not these module globs (repeatable)  [default: none]")
-@click.option("--full-modules", multiple=True, help="With --mode auto: module globs kept in full (repeatable).")
-@click.option("--phases", default=None,
-              help="Subset of forward,backward,grads,optimizer  [default: all]")
-@click.option("--capture-steps", default=None, help="Steps to capture, e.g. 0-1,3  [default: all]")
-@click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched", show_default=True,
-              help="One device-to-host copy per step, or one per capture (more sync points).")
+@_capture_options
 @click.option("--view-audit", is_flag=True,
               help="Record view/in-place events on both sides for the BatchNorm/view/in-place audits.")
-@click.option("--simulate", type=click.Choice(["views-become-copies", "drop-view-writes", "skip-bn-stats"]),
+@click.option("--simulate", type=click.Choice(SIMULATED),
               default=None, help="Run the target on a simulated faulty backend (to see the audits catch it).")
 @click.option("--policy", "policy_path", type=click.Path(), default=None,
               help="Policy file  [default: driftcheck.toml or [tool.driftcheck] in pyproject.toml]")
