@@ -125,32 +125,18 @@ class TpuMatmul(TorchDispatchMode):
         return out
 
 
-def _mm(level: str, a: torch.Tensor, b: torch.Tensor) -> Any:
-    return _emulated(a, b, aten.mm.default, level)
+def _bilinear(op: Any) -> Callable[..., Any]:
+    """The handler of a plain bilinear op (mm, bmm, mv, dot)."""
+    return lambda level, a, b: _emulated(a, b, op, level)
 
 
-def _bmm(level: str, a: torch.Tensor, b: torch.Tensor) -> Any:
-    return _emulated(a, b, aten.bmm.default, level)
-
-
-def _mv(level: str, a: torch.Tensor, b: torch.Tensor) -> Any:
-    return _emulated(a, b, aten.mv.default, level)
-
-
-def _dot(level: str, a: torch.Tensor, b: torch.Tensor) -> Any:
-    return _emulated(a, b, aten.dot.default, level)
-
-
-def _addmm(level: str, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
-           alpha: Any = 1) -> Any:
-    prod = _emulated(a, b, aten.mm.default, level)
-    return (beta * bias + alpha * prod).to(prod.dtype) if beta != 0 else (alpha * prod).to(prod.dtype)
-
-
-def _baddbmm(level: str, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
-             alpha: Any = 1) -> Any:
-    prod = _emulated(a, b, aten.bmm.default, level)
-    return (beta * base + alpha * prod).to(prod.dtype) if beta != 0 else (alpha * prod).to(prod.dtype)
+def _scaled_sum(op: Any) -> Callable[..., Any]:
+    """The handler of ``beta * base + alpha * op(a, b)`` (addmm over mm, baddbmm over bmm)."""
+    def handler(level: str, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
+                alpha: Any = 1) -> Any:
+        prod = _emulated(a, b, op, level)
+        return (beta * base + alpha * prod if beta != 0 else alpha * prod).to(prod.dtype)
+    return handler
 
 
 def _convolution(level: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
@@ -195,8 +181,8 @@ def _convolution_backward(level: str, g: torch.Tensor, x: torch.Tensor, w: torch
 
 
 _HANDLERS: dict[Any, Callable[..., Any]] = {
-    aten.mm.default: _mm, aten.bmm.default: _bmm, aten.mv.default: _mv, aten.dot.default: _dot,
-    aten.addmm.default: _addmm, aten.baddbmm.default: _baddbmm,
+    **{op: _bilinear(op) for op in (aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default)},
+    aten.addmm.default: _scaled_sum(aten.mm.default), aten.baddbmm.default: _scaled_sum(aten.bmm.default),
     aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
 }
 

@@ -56,7 +56,7 @@ class Scales:
             if g is None:
                 return 0.0
             mu = self.errors.get(g.align, NONE).mu
-            sq = slot.endswith(("exp_avg_sq", "square_avg", "sum", "max_exp_avg_sq"))
+            sq = slot.endswith(SQUARED_STATE)
             return rms_of(r.stats) * (mu * mu if sq else mu)
         if ph in ("optimizer", "params") and slot.endswith("running_mean"):
             return self._running_mean_magnitude(r)

@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 import jinja2
+import markupsafe
 
 from driftcheck.report import Entry, Report
 from driftcheck.report.common import (
@@ -33,8 +34,6 @@ from driftcheck.report.common import (
     worst,
 )
 from driftcheck.store.format import PHASES
-
-Markup = Any  # markupsafe.Markup (jinja2's), imported where it is made
 
 # Okabe-Ito palette: tells the phases apart for colour-blind readers too.
 PHASE_COLORS = {"params": "#999999", "forward": "#0072B2", "loss": "#000000", "backward": "#E69F00",
@@ -122,10 +121,8 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _wbr(text: Any) -> Markup:
+def _wbr(text: Any) -> markupsafe.Markup:
     """A dotted module path that wraps after its dots and underscores, never mid-word."""
-    import markupsafe
-
     parts = re.split(r"(?<=[._/])", module_label(text) if isinstance(text, str) or text is None else str(text))
     return markupsafe.Markup("<wbr>").join(markupsafe.escape(p) for p in parts)
 
