@@ -267,7 +267,8 @@ def test_resolve_picks_family_or_directory(tmp_path: Path) -> None:
 
 def test_missing_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf, "is_available", lambda: False)
-    expected = r"hf:llama needs transformers: pip install 'driftcheck\[hf\]'"
+    # a line that works: driftcheck itself is not on the index
+    expected = r'hf:llama needs transformers: pip install transformers \(from a driftcheck checkout: pip install -e "\.\[hf\]"\)'
     with pytest.raises(DriftcheckError, match=expected):
         hf.build("llama")
 
