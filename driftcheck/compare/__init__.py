@@ -36,8 +36,12 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
     def __init__(self, ref: TraceReader, tgt: TraceReader, *, policy: Policy | None = None,
                  limit: float | None = None, truth: TraceReader | None = None,
                  chunk_elems: int = 1 << 17, workers: int | None = None,
-                 on_progress: Callable[[int, int], None] | None = None) -> None:
+                 on_progress: Callable[[int, int], None] | None = None,
+                 whole: dict[tuple, tuple[float, float]] | None = None) -> None:
         self.ref, self.tgt, self.truth = ref, tgt, truth
+        # align key -> (rel rms, rel max) of the whole tensor this rank holds a shard of (FSDP):
+        # what its dependents inherit (driftcheck/compare/ranks.py measures it over the ranks)
+        self.whole = whole or {}
         self.on_progress = on_progress  # (done, total): pairs measured, then entries judged
         self._done, self._total = 0, 0
         self.workers = workers if workers is not None else min(2, os.cpu_count() or 1)
@@ -147,7 +151,8 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
 
 def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy | None = None,
             limit: float | None = None, truth: str | TraceReader | None = None,
-            on_progress: Callable[[int, int], None] | None = None) -> Report:
+            on_progress: Callable[[int, int], None] | None = None,
+            whole: dict[tuple, tuple[float, float]] | None = None) -> Report:
     """Compare a target trace against a reference trace.
 
     Args:
@@ -156,6 +161,8 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
         limit: overrides every ratio limit of the policy.
         truth: a float64 record of the same replay (three-way comparison).
         on_progress: called with (done, total) as pairs are measured and entries judged.
+        whole: for a rank of a sharded run, the relative error (rms, max) of each whole tensor
+            this rank records a shard of, by align key (compare_ranks measures it).
 
     Returns:
         The Report; ``bool(report)`` is True when it passed.
@@ -163,4 +170,5 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
     r = ref if isinstance(ref, TraceReader) else TraceReader(ref)
     t = target if isinstance(target, TraceReader) else TraceReader(target)
     tr = truth if truth is None or isinstance(truth, TraceReader) else TraceReader(truth)
-    return Comparison(r, t, policy=policy, limit=limit, truth=tr, on_progress=on_progress).run()
+    return Comparison(r, t, policy=policy, limit=limit, truth=tr, on_progress=on_progress,
+                      whole=whole).run()

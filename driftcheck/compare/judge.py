@@ -73,6 +73,12 @@ class Judging:
             # NaN/Inf where the reference is finite: whatever depends on it can be anything
             # (its metrics only see the finite positions); nonfinite.origin names the source.
             self.errors[a] = self.errors[a]._replace(rel_rms=fl.REL_CAP, rel_max=fl.REL_CAP)
+        if a in self.whole:
+            # A shard (FSDP): the module computes with the whole tensor, whose other shards
+            # (other ranks) may carry more of the error than this one.
+            w_rms, w_max = self.whole[a]
+            e = self.errors[a]
+            self.errors[a] = e._replace(rel_rms=max(e.rel_rms, w_rms), rel_max=max(e.rel_max, w_max))
         ignore = self.policy.ignore_reason(r.module, r.phase, r.step)
         if not dtypes.is_float(r.dtype):
             return self._judge_integer(r, m, base, details, ignore)

@@ -30,10 +30,12 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
         raise DriftcheckError(f"the reference has ranks {sorted(refs)} and the target {sorted(tgts)}: "
                               "record both with the same --nproc_per_node")
     truth = kwargs.pop("truth", None)
+    whole = whole_errors(refs, tgts)
     reports = {}
     for r in refs:
         t = rank_dir(truth, r) if truth else None
-        reports[r] = compare(str(refs[r]), str(tgts[r]), truth=str(t) if t else None, **kwargs)
+        reports[r] = compare(str(refs[r]), str(tgts[r]), truth=str(t) if t else None,
+                             whole=whole, **kwargs)
     entries, findings, warnings = [], [], []
     firsts = []
     for r, rep in reports.items():
@@ -60,3 +62,35 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
     return Report(verdict=verdict, reference=ref_run, target=tgt_run, first_divergence=first,
                   entries=entries, findings=findings, limit=base.limit, decided_by=decided_by,
                   warnings=warnings, truth=base.truth, policy=base.policy)
+
+
+def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[tuple, tuple[float, float]]:
+    """(rel rms, rel max) of every whole tensor the ranks record shards of (FSDP parameters,
+    gradients, optimizer state: meta ``shard``), by align key: the error of the tensor a module
+    computes with. One rank's shard alone can miss it: the rows another rank updates may carry
+    all of it. Full-mode entries only (stats mode stores no tensor to measure)."""
+    import torch
+
+    from driftcheck.compare.entries import entries_of
+    from driftcheck.store.reader import TraceReader
+
+    sums: dict[tuple, list[float]] = {}  # align -> [sum d^2, sum r^2, max |d|, max |r|]
+    for rank in refs:
+        ref, tgt = TraceReader(refs[rank]), TraceReader(tgts[rank])
+        tgt_by = {e.align: e for e in entries_of(tgt)}
+        for e in entries_of(ref):
+            t = tgt_by.get(e.align)
+            if not e.meta.get("shard") or t is None or not (e.has_tensor and t.has_tensor):
+                continue
+            a, b = ref.tensor(e.raw), tgt.tensor(t.raw)
+            if a is None or b is None or a.shape != b.shape or not a.is_floating_point():
+                continue
+            a, b = a.double(), b.double()
+            d = (b - a)[torch.isfinite(b - a)]
+            acc = sums.setdefault(e.align, [0.0, 0.0, 0.0, 0.0])
+            acc[0] += float(d.pow(2).sum())
+            acc[1] += float(a.pow(2).sum())
+            acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
+            acc[3] = max(acc[3], float(a.abs().max()) if a.numel() else 0.0)
+    return {k: (math.sqrt(d2 / r2), dmax / rmax) for k, (d2, r2, dmax, rmax) in sums.items()
+            if r2 > 0 and rmax > 0}

@@ -22,7 +22,7 @@ class BackwardHooks:
     def _hook_backward(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]],
                        ctx: dict[str, Any], made_by: dict[str, str] | None = None) -> None:
         bctx = backward_meta(ctx)
-        for slot, t in outputs:
+        for slot, t in (outputs if name or self.root_output_grads else ()):
             if t.requires_grad and floating(t) and t.grad_fn is not None:
                 gslot = "grad_" + slot
                 gctx = dict(bctx, made_by=made_by[slot]) if made_by and slot in made_by else bctx

@@ -65,7 +65,9 @@ class Capturing:
         if type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local"):
             # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
             # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
+            # compare_ranks judges what depends on it with the whole tensor's error (meta shard).
             t = t.to_local()
+            extra = dict(extra or {}, shard=True)
         if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): dense
             t = t.to_dense()
         skey = fmt.key_string(self.step_index, phase, module, call, slot)

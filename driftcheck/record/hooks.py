@@ -21,8 +21,8 @@ class ForwardHooks:
 
     def _make_pre_hook(self, name: str) -> Callable:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._replaying:
-                return  # a local replay of this module: not a call of the traced run
+            if self._replaying or self._paused:
+                return  # a local replay of this module, or between steps: not a call of the traced run
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             parent = self._stack[-1] if self._stack else None
@@ -69,7 +69,7 @@ class ForwardHooks:
 
     def _make_post_hook(self, name: str) -> Callable:
         def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._replaying:
+            if self._replaying or self._paused:
                 return
             name_, call = self._stack.pop() if self._stack else (name, 0)
             if not self._selected(name):

@@ -76,6 +76,35 @@ def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
     raise DriftcheckError(f"--parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
 
 
+# -- a process group started by somebody else (driftcheck.trace, the integrations) -----------
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP (or DataParallel): its module paths are the model's own."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while isinstance(model, (DataParallel, DistributedDataParallel)):
+        model = model.module
+    return model
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor; any other tensor as it is."""
+    if type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
+def rank_info(model: nn.Module) -> dict[str, Any]:
+    """rank, world_size, parallel and backend of a run in an initialized process group of more
+    than one process; {} for a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return {}
+    sharded = any(local_shard(p) is not p for p in model.parameters())
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "parallel": "fsdp" if sharded else "ddp", "backend": dist.get_backend()}
+
+
 def broadcast_str(value: str | None) -> str:
     import torch.distributed as dist
 

@@ -109,6 +109,10 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
     replay_tensors: dict[str, torch.Tensor] = {}
     if replay is not None:
         tensors, meta = read_replay(replay)
+        if meta.get("inputs_are") == "calls":
+            raise DriftcheckError(f"--replay {replay} was recorded by a training-loop callback "
+                                  f"({meta.get('driver') or 'driftcheck.integrations'}): replay it "
+                                  "with the same callback's replay=, not driftcheck record")
         if parallel and meta.get("world_size", world) != world:
             raise DriftcheckError(f"--replay {Path(replay).parent} was recorded with "
                                   f"{meta.get('world_size')} ranks, this run has {world}; use the "

@@ -26,12 +26,14 @@ from torch import nn
 from driftcheck import dtypes
 from driftcheck import stats as tstats
 from driftcheck.errors import DriftcheckError
+from driftcheck.record import ranks
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
 from driftcheck.record.meta import LogitWatch
 from driftcheck.record.metadata import run_metadata
 from driftcheck.store import format as fmt
+from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
 
 SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
@@ -54,6 +56,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         transfer: "batched" (one device-to-host transfer per step) or "per-capture".
         seed: seeds the stats-mode sample indices (same on both runs).
         audits: run the BatchNorm running-stat audit.
+        root_output_grads: capture the gradients of the model's own outputs (off where a loop
+            returns copies of them that the loss never uses: accelerate's fp32 outputs).
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, mode: str = "full",
@@ -63,7 +67,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
                  phases: Iterable[str] | None = None, steps: Iterable[int] | None = None,
                  transfer: str = "batched", seed: int = 0, audits: bool = True,
                  view_audit: bool = False, max_pending_bytes: int = 1 << 30,
-                 local: Any = None) -> None:
+                 local: Any = None, root_output_grads: bool = True) -> None:
         if mode not in fmt.MODES:
             raise ValueError(f"mode must be one of {fmt.MODES}, not {mode!r}")
         self.model = model
@@ -78,9 +82,11 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self.seed = seed
         self.audits = audits
         self.view_audit = view_audit
+        self.root_output_grads = root_output_grads
         self.local = local  # a local.LocalReplay: replay leaf modules on the reference's inputs
         self.device = _model_device(model)
         self._replaying = False
+        self._paused = False  # pause(): between a loop's steps (evaluation, logging) nothing is a call
         self.max_pending_bytes = max_pending_bytes
         self.optimizer = optimizer
         self.names = {m: n for n, m in model.named_modules()}
@@ -187,6 +193,14 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._capture_state("params")
         return self
 
+    def pause(self) -> None:
+        """Ignore model calls until resume(): a training loop's evaluation or logging between
+        the traced steps is not part of any step."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
     def detach(self) -> None:
         for h in self._handles + self._node_handles:
             h.remove()
@@ -287,6 +301,11 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         optimizer: optional; parameters and optimizer state are captured after its step().
         force: overwrite an existing trace directory.
         run: extra run metadata for the manifest.
+
+    Under torchrun (a process group of more than one process) every rank writes
+    ``out/rank-<r>``, with its rank, world size and ``parallel`` ("ddp", or "fsdp" where the
+    parameters are FSDP2 DTensors) in the run metadata; a DistributedDataParallel model is traced
+    through its ``.module``. ``driftcheck compare`` then compares rank by rank.
         **kwargs: passed to :class:`Tracer` (include, exclude, phases, steps, transfer, seed).
 
     Example:
@@ -295,6 +314,10 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         ...         loss = loss_fn(model(batch)); loss.backward(); opt.step(); opt.zero_grad()
         ...         t.step(loss)
     """
+    model = ranks.unwrap(model)  # DDP: hooks on the user's module, paths as without the wrapper
+    rank = ranks.rank_info(model)
+    if rank:
+        out = str(rank_dir(out, rank["rank"]))
     try:
         writer = TraceWriter(out, force=force)
     except DriftcheckError as e:  # the CLI's words name --force; a Python caller passes force=True
@@ -316,7 +339,7 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         params = sum(p.numel() for p in model.parameters())
         meta = run_metadata(model=model, device=_model_device(model), mode=mode,
                             steps=tracer.step_index, dtype=dtypes.name_of(dtype), dtype_obj=dtype,
-                            model_id=f"{type(model).__name__} ({params} parameters)")
+                            model_id=f"{type(model).__name__} ({params} parameters)", **rank)
         meta.update(run or {})
         writer.close(meta, extra=tracer.manifest_extra())
 
