@@ -295,13 +295,36 @@ class Scales:
         g_rms = rms_of(grad)
         if not g_rms:
             return carried
+        g_max = max(g.stats.get("absmax") or 0.0, grad.get("absmax") or 0.0)
+        # Clipped by the global norm, the optimizer sees g * max_norm / |G|: the clip factor's
+        # relative error (that of |G|, over every parameter's gradient) on top of this one's.
+        clip = self._clip_error(s)
+        d_rms, d_max = err.rms + clip * g_rms, err.max + clip * g_max
         if parts[-1] in LINEAR_STATE:
             c = rms_of(state) / g_rms
-            return carried[0] + c * err.rms, carried[1] + c * err.max
+            return carried[0] + c * d_rms, carried[1] + c * d_max
         c2 = abs(state.get("mean") or 0.0) / (g_rms * g_rms)
-        g_max = max(g.stats.get("absmax") or 0.0, grad.get("absmax") or 0.0)
-        return (carried[0] + c2 * (2 * g_max + err.max) * err.rms,
-                carried[1] + c2 * (2 * g_max + err.max) * err.max)
+        return (carried[0] + c2 * (2 * g_max + d_max) * d_rms,
+                carried[1] + c2 * (2 * g_max + d_max) * d_max)
+
+    def _clip_error(self, step: int) -> float:
+        """The relative error of the global gradient norm of ``step`` where either run clipped
+        its gradients by it (run ``grad_clip: {"norm": max_norm}``, a Trainer's max_grad_norm):
+        sqrt(sum of squared gradient errors / sum of squared gradients) over the step's
+        parameter gradients; 0 where neither run clips by norm."""
+        if not any(isinstance(run.get("grad_clip"), dict) and run["grad_clip"].get("norm")
+                   for run in (self.ref.run, self.tgt.run)):
+            return 0.0
+        cache = self.__dict__.setdefault("_clip_errors", {})
+        if step not in cache:
+            e2 = g2 = 0.0
+            for e in self.ref_entries:
+                if e.step == step and e.phase == "grads" and e.align in self.errors:
+                    n = e.stats.get("numel") or 0
+                    e2 += self.errors[e.align].rms ** 2 * n
+                    g2 += rms_of(e.stats) ** 2 * n
+            cache[step] = min(math.sqrt(e2 / g2), 1.0) if g2 > 0 else 0.0
+        return cache[step]
 
     def _ctc_gradient(self, r: TraceEntry) -> tuple[float, float]:
         """The output gradient of a module whose output the code around it feeds to a CTC loss

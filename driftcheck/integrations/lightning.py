@@ -13,7 +13,7 @@ replayed input is the batch ``training_step`` receives (after the transfer to th
 the target's own data loader does not matter; a replaying target also starts from the reference's
 weights. The step's loss is what Lightning backpropagates (``on_before_backward``), summed over
 the step's batches. ``precision="bf16-mixed"`` / ``"16-mixed"`` are recorded as the run's
-autocast; ``"bf16-true"`` as its dtype. One optimizer is traced (``configure_optimizers`` may
+autocast; ``"bf16-true"`` as its dtype; ``gradient_clip_val`` as ``grad_clip``. One optimizer is traced (``configure_optimizers`` may
 return one). Under ``strategy="ddp"`` / FSDP every rank writes ``OUT/rank-<r>``.
 """
 from __future__ import annotations
@@ -66,6 +66,10 @@ class DriftcheckCallback(Callback):
         params = sum(p.numel() for p in pl_module.parameters())
         self.session.autocast = _AUTOCAST.get(precision)
         self.session.model_id = f"{type(pl_module).__name__} ({params} parameters, {DRIVER})"
+        clip = getattr(trainer, "gradient_clip_val", None)
+        if clip:
+            how = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").split(".")[-1].lower()
+            self.session.grad_clip = {"value" if how == "value" else "norm": float(clip)}
         self.session.start(pl_module, optimizers[0] if optimizers else None)
         self._module = pl_module
         original = pl_module.training_step

@@ -53,7 +53,9 @@ class TraceSession:
             reference's when replaying.
         replay: the reference trace this run starts from (its weights, model inputs, dropout).
         mode, seed, force: as for ``driftcheck record``. autocast: the autocast dtype the loop
-            runs the forward under ("bf16", "fp16"), for the noise floor.
+            runs the forward under ("bf16", "fp16"), for the noise floor. grad_clip: how the loop
+            clips gradients before the optimizer step ({"norm": max_norm}: the optimizer state
+            then inherits the global norm's error), for the noise floor.
         driver: who runs the loop ("transformers.Trainer"), for the run metadata.
         **tracer: passed to :class:`driftcheck.record.tracer.Tracer` (include, exclude, phases).
     """
@@ -61,8 +63,10 @@ class TraceSession:
     def __init__(self, out: str | os.PathLike, *, steps: int | Iterable[int] | None = None,
                  replay: str | os.PathLike | None = None, mode: str = "full", seed: int = 0,
                  force: bool = False, autocast: str | None = None, driver: str = "",
-                 model_id: str | None = None, **tracer: Any) -> None:
+                 model_id: str | None = None, grad_clip: dict[str, float] | None = None,
+                 **tracer: Any) -> None:
         self.out = Path(out)
+        self.grad_clip = grad_clip  # {"norm": max_norm} or {"value": v}: the loop clips gradients
         self.replay = None if replay is None else Path(replay)
         self.mode, self.seed, self.force, self.autocast = mode, seed, force, autocast
         self.driver, self.model_id, self.tracer_kwargs = driver, model_id, tracer
@@ -244,7 +248,8 @@ class TraceSession:
             dtype=dtypes.name_of(dtype), dtype_obj=dtype, seed=self.seed, autocast=self.autocast,
             model_id=self.model_id or f"{type(self.model).__name__} ({params} parameters)",
             replay_id=self.replay_id, replay_of=str(self.replay) if self.replay else None,
-            driver=self.driver, capture_steps=sorted(self.capture or ()), **self.rank)
+            driver=self.driver, capture_steps=sorted(self.capture or ()), **self.rank,
+            **({"grad_clip": self.grad_clip} if self.grad_clip else {}))
         if not writer.entries:
             writer.abort("nothing captured")
             raise DriftcheckError("the driftcheck callback captured no tensor: its include/exclude/"

@@ -17,7 +17,8 @@ custom ``compute_loss`` keeps outside the model call are the target's own. The s
 model's ``loss`` output as the Trainer backpropagates it (divided by the number of micro-batches
 unless the model normalises by ``num_items_in_batch``), summed over the micro-batches; a
 ``compute_loss`` that computes the loss itself passes it to :meth:`DriftcheckCallback.record_loss`.
-``bf16=True`` / ``fp16=True`` are recorded as the run's autocast. The gradients of the model's
+``bf16=True`` / ``fp16=True`` are recorded as the run's autocast, ``max_grad_norm`` as
+``grad_clip`` (the optimizer state inherits the clip factor's error). The gradients of the model's
 returned outputs are not captured (on either side): under mixed precision accelerate returns
 fp32 copies of them that a loss computed inside the model never uses, so only one side would
 have them; the last layer's output gradient (``lm_head``'s) is captured as usual. Under torchrun every rank
@@ -82,6 +83,8 @@ class DriftcheckCallback(TrainerCallback):
         self.session.autocast = "bf16" if getattr(args, "bf16", False) else \
             "fp16" if getattr(args, "fp16", False) else None
         self.session.model_id = _model_id(model)
+        clip = float(getattr(args, "max_grad_norm", 0) or 0)
+        self.session.grad_clip = {"norm": clip} if clip > 0 else None
         self.session.start(model, _torch_optimizer(optimizer))
         root = self.session.model
         self._handles = [

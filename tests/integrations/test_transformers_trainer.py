@@ -119,3 +119,25 @@ def test_a_callback_trace_is_not_a_driftcheck_record_replay(ref, tmp_path):
 def test_bad_arguments_are_refused_before_training(tmp_path, kwargs, words):
     with pytest.raises(DriftcheckError, match=words):
         DriftcheckCallback(tmp_path / "x", **kwargs)
+
+
+def test_clipped_gradients_pass_their_clip_factors_error_to_the_optimizer_state(tmp_path):
+    """The Trainer clips by the global gradient norm (max_grad_norm=1): every Adam moment is of
+    g * max_norm / |G|, and |G|'s bf16 error (over all parameters) reaches the moments of
+    parameters whose own gradient is almost exact. hf_esm's lm_head bias failed at 5.56 on a
+    clean bf16 target, hf_bit's classifier bias at 18.3, before the floor took the clip factor."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import trainer_zoo
+    import zoo
+
+    for name in ("hf_esm", "hf_bit"):
+        build = zoo.CATALOGUE[name][1]
+        trainer_zoo._trainer(build(), tmp_path / f"{name}-ref", tmp_path)
+        trainer_zoo._trainer(build(), tmp_path / f"{name}-bf16", tmp_path, replay=tmp_path / f"{name}-ref",
+                             bf16=True)
+        assert TraceReader(tmp_path / f"{name}-ref").run["grad_clip"] == {"norm": 1.0}
+        rep = compare(tmp_path / f"{name}-ref", tmp_path / f"{name}-bf16")
+        assert rep, f"{name}: {rep.decided_by}"
