@@ -37,7 +37,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
 
 __all__ = ["Fault", "fp8_matmul", "low_precision_reduction", "offset_output", "other_dropout_mask",
-           "overflow", "scale_grad", "scale_output", "stochastic_rounding"]
+           "overflow", "scale_grad", "scale_output", "starting_at", "stochastic_rounding"]
 
 
 @dataclasses.dataclass
@@ -361,3 +361,23 @@ def stochastic_rounding(seed: int = 0) -> TorchDispatchMode:
     bf16/fp16/fp32 stochastically (one ULP up or down, or kept): legitimate noise, a
     control that a comparison must not flag. fp64 (driftcheck's own statistics) is untouched."""
     return _StochasticRounding(seed)
+
+
+class starting_at:  # noqa: N801 - used like the fault factories above
+    """``fault`` installed from step ``step`` on: pass it as ``target_hooks`` to record() or
+    record_long(), which call ``set_step`` with each step's number."""
+
+    def __init__(self, fault: Fault, step: int) -> None:
+        self.fault, self.step, self.model, self.on = fault, step, None, False
+
+    def __call__(self, model: nn.Module) -> "starting_at":
+        self.model = model
+        return self
+
+    def set_step(self, step: int) -> None:
+        if step >= self.step and not self.on and self.model is not None:
+            self.fault(self.model)
+            self.on = True
+
+    def describe(self) -> str:
+        return f"{self.fault.describe()} from step {self.step}"

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from driftcheck.errors import DriftcheckError
+
 __all__ = ["drop_view_writes", "skip_batchnorm_stat_updates", "views_become_copies"]
 
 # Overload packets (``aten.<name>``) whose outputs a real backend must alias with their input.
@@ -141,3 +143,12 @@ def drop_view_writes() -> TorchDispatchMode:
 def skip_batchnorm_stat_updates() -> TorchDispatchMode:
     """The torch_tpu 0.2.0 BatchNorm bug: running_mean/running_var are never written in training."""
     return _SkipBatchNormStatUpdates()
+
+
+def backend(name: str) -> Any:
+    """The simulated faulty backend ``--simulate NAME`` runs on, for checking the audits end to end."""
+    makers = {"views-become-copies": views_become_copies, "drop-view-writes": drop_view_writes,
+              "skip-bn-stats": skip_batchnorm_stat_updates}
+    if name not in makers:
+        raise DriftcheckError(f"unknown --simulate {name!r}: choose one of {', '.join(makers)}")
+    return makers[name]()

@@ -5,6 +5,7 @@ autoloads torch_tpu.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ from driftcheck.cli.app import (
     cli,
 )
 from driftcheck.errors import DriftcheckError
+from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd, run_long
 from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
 
 
@@ -77,6 +79,7 @@ def models(obj: _Ctx) -> None:
                    "compare then separates each module's own error from what it inherits.")
 @click.option("--simulate", type=click.Choice(SIMULATED),
               default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
+@functools.partial(long_options, record=True)
 @_everywhere
 @click.pass_obj
 def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
@@ -84,13 +87,21 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
            view_audit: bool, local: str | None, simulate: str | None,
-           parallel: str | None) -> None:
+           parallel: str | None, long_: bool, every: int, points_every: int | None, perturb: bool,
+           start: int | None) -> None:
     """Record MODEL's training steps into a trace directory.
 
     MODEL is a built-in name (driftcheck models), hf:<family>, hf:PATH,
     path/to/file.py:build or package.module:build.
     """
     from driftcheck import devices
+
+    if perturb and not long_:
+        raise DriftcheckError("--perturb makes a control of a long run: add --long")
+    if long_:
+        devices.prepare_environment(devices.parse_device(device)[0])
+        return record_long_cmd(obj, model, out, device, dtype, steps, seed, replay, force, autocast,
+                               every, points_every, perturb, simulate)
 
     dev_type, _ = devices.parse_device(device)
     devices.prepare_environment(dev_type)
@@ -143,7 +154,8 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
             full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
-            simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step))
+            simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step,
+            start=start))
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
@@ -173,14 +185,20 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
 @click.option("--limit", type=float, default=None,
               help="Override every ratio limit  [default: the policy's, 3.5 without one]")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
+@click.option("--control", type=click.Path(), default=None,
+              help="Long runs: the control run whose distance from REF draws the band.")
 @_outputs_options
 @_everywhere
 @click.pass_obj
 def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: str | None,
-            limit: float | None, top: int, json_path: str | None, html_path: str | None,
-            junit_path: str | None, md_path: str | None) -> None:
+            limit: float | None, top: int, control: str | None, json_path: str | None,
+            html_path: str | None, junit_path: str | None, md_path: str | None) -> None:
     """Compare TARGET against REF; exit 0 pass, 1 fail, 2 bad input."""
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    from driftcheck.store.long import is_long
+
+    if is_long(ref) or is_long(target):
+        return compare_long_cmd(obj, ref, target, control, json_path, html_path)
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")
     from driftcheck.compare import compare as do_compare
@@ -302,6 +320,7 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
 @click.option("--html/--no-html", "html", default=True, show_default=True, help="Write OUT/report.html.")
 @click.option("--junit", "junit_path", type=click.Path(), default=None, help="Also write JUnit XML here.")
 @click.option("--summary-md", "md_path", type=click.Path(), default=None, help="Also write a Markdown summary here.")
+@functools.partial(long_options, record=False)
 @_everywhere
 @click.pass_obj
 def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
@@ -310,13 +329,20 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
         include: tuple, exclude: tuple, full_modules: tuple, phases: str | None,
         capture_steps: str | None, transfer: str, view_audit: bool, simulate: str | None,
         policy_path: str | None, limit: float | None, top: int, html: bool, junit_path: str | None,
-        md_path: str | None) -> None:
+        md_path: str | None, long_: bool, every: int, points_every: int | None) -> None:
     """Record truth (optional), reference and target, each in its own process, and compare.
 
     On a TPU VM: driftcheck run MODEL --reference cpu --target tpu --out run/
     Before buying hardware: driftcheck run MODEL --target cpu --target-dtype bf16 --out run/
+    Many steps: driftcheck run MODEL --target tpu --long --steps 3000 --out run/
     """
     from driftcheck.record.run import Sides, record_sides
+
+    if long_:
+        return run_long(obj, model=model, out=Path(out), ref_device=ref_device, tgt_device=tgt_device,
+                        reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
+                        steps=steps, seed=seed, every=every, points_every=points_every, force=force,
+                        html=html, simulate=simulate)
 
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")

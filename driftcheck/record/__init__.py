@@ -8,6 +8,8 @@
     local.py     local replay: each leaf module rerun on the reference's inputs
     rng.py       CPU-drawn dropout masks, so a target reproduces the reference's randomness
     runner.py    record(): a Scenario for N steps on a device/dtype, one rank or many
+    long.py      record_long(): thousands of steps as per-step columns, with replay points
+    points.py    a record started at a long reference's replay point; replay state into a model
     ranks.py     torchrun process group, each rank's batch, the DDP/FSDP wrapper
     metadata.py  run metadata for the manifest
     run.py       ``driftcheck run``: reference, truth and target, each in its own process

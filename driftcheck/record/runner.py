@@ -25,6 +25,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
 from driftcheck.record import ranks
 from driftcheck.record.metadata import run_metadata
+from driftcheck.record.points import load_point_optimizer, load_state as _load_replay_state, segment
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.scenario import Scenario, call_model
@@ -52,7 +53,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
            local: str | os.PathLike | None = None, view_audit: bool = False,
            simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
            target_hooks: Callable[[nn.Module], Any] | None = None,
-           parallel: str | None = None) -> Path:
+           parallel: str | None = None, start: int | None = None) -> Path:
     """Record ``scenario`` into the trace directory ``out``; returns its path.
 
     Args:
@@ -71,9 +72,14 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             from the reference's output gradients) recorded as ``local.*`` entries, so compare
             can tell the error a module adds from the error it inherits (driftcheck/local.py).
         target_hooks: called with the model after it is placed, before recording (fault
-            injection in tests and benchmarks).
+            injection in tests and benchmarks); if what it returns has ``set_step``, that is
+            called with each step's number (a fault scheduled to begin at some step).
         parallel: "ddp" or "fsdp" under torchrun: this rank into ``out/rank-<rank>``, replaying
             the reference's ``rank-<rank>``; returns that directory.
+        start: with ``replay`` a long reference (driftcheck/record/long.py): start at this step
+            from its replay point (weights and optimizer state) and run ``steps`` steps from
+            there, numbered from ``start`` (``capture_steps`` are those numbers): the first bad
+            step of a long run, recorded in full.
     """
     device = torch.device(device)
     tdtype = parse_dtype(dtype)
@@ -123,6 +129,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
                                   "re-record the reference")
         all_batches = [decode_batch(d, tensors) for d in inputs]
+        if meta.get("cycle") or start:  # a long reference: from its replay point at `start`
+            all_batches = segment(model, replay, meta, all_batches, start or 0, steps, n_steps)
         if steps is None:
             n_steps = len(all_batches)  # a replayed target runs the reference's steps
         batches = all_batches[:n_steps]
@@ -137,6 +145,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         seed = int(meta.get("seed", seed))
         torch.manual_seed(seed)
     else:
+        if start:
+            raise DriftcheckError("--start needs --replay of a long reference (driftcheck record --long)")
         batches = [scenario.batch(i) for i in range(n_steps)]
         replay_id = uuid.uuid4().hex
         if parallel:
@@ -153,7 +163,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         if parallel:
             replay_meta.update(rank=rank, world_size=world)
 
-    _check_selection(model, include, exclude, full_modules, mode, capture_steps, n_steps)
+    first_step = start or 0
+    _check_selection(model, include, exclude, full_modules, mode, capture_steps, n_steps, first_step)
     model.to(device=device)
     if tdtype != torch.float32:
         # Floating tensors only: Module.to(dtype) would also cast complex tensors to real,
@@ -164,10 +175,11 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         from driftcheck import fp8 as fp8_mod
 
         fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(fp8))
-    if target_hooks is not None:
-        target_hooks(model)
+    hook = target_hooks(model) if target_hooks is not None else None
     trained = ranks.wrap(model, parallel, device) if parallel else model  # what the loop calls
     optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
+    if start and optimizer is not None:
+        load_point_optimizer(optimizer, replay, start)
     sel_phases = set(phases or ("forward", "backward", "grads", "optimizer"))
     if scenario.loss is None:
         sel_phases &= {"forward"}
@@ -183,6 +195,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                         exclude=exclude, full_modules=full_modules, phases=sel_phases,
                         steps=capture_steps, transfer=transfer, seed=seed,
                         view_audit=view_audit, local=local_replay)
+        tracer.step_index = first_step
         tracer.attach()
         audit_ctx: Any = contextlib.nullcontext()
         if view_audit:
@@ -192,7 +205,9 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                                                  lambda: tracer.step_index)
         fault_ctx: Any = contextlib.nullcontext()
         if simulate:
-            fault_ctx = simulated_backend(simulate)
+            from driftcheck.simulate import backend
+
+            fault_ctx = backend(simulate)
         emulate_ctx: Any = contextlib.nullcontext()
         if emulate:
             from driftcheck.emulate import emulate_tpu
@@ -203,7 +218,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             with fault_ctx, emulate_ctx as emulation, audit_ctx:
                 train(trained, batches, scenario, optimizer, device=device, dtype=tdtype,
                       dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
-                      on_step=on_step, model_id=model_id)
+                      on_step=on_step, model_id=model_id, first_step=first_step,
+                      step_hook=getattr(hook, "set_step", None))
             if tracer.audit is not None:
                 tracer.events = tracer.audit.events()
         finally:
@@ -217,7 +233,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                            dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
                            seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
                            replay_id=replay_id, replay_of=str(replay) if replay else None,
-                           simulated_backend=simulate,
+                           simulated_backend=simulate, start_step=start or None,
                            autocast=autocast, fp8=fp8,
                            local_of=str(local) if local is not None else None,
                            capture={"include": list(include or []), "exclude": list(exclude or []),
@@ -244,7 +260,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
 
 def _check_selection(model: nn.Module, include: Iterable[str] | None, exclude: Iterable[str] | None,
                      full_modules: Iterable[str] | None, mode: str,
-                     capture_steps: Iterable[int] | None, n_steps: int) -> None:
+                     capture_steps: Iterable[int] | None, n_steps: int, first: int = 0) -> None:
     """Options that would select nothing are refused before anything runs: a module glob that
     matches no module (with the nearest module paths), --full-modules without --mode auto, a
     --capture-steps step the run does not have."""
@@ -260,24 +276,28 @@ def _check_selection(model: nn.Module, include: Iterable[str] | None, exclude: I
     if full_modules and mode != "auto":
         raise DriftcheckError(f"--full-modules only takes effect with --mode auto (this record is "
                               f"--mode {mode}); add --mode auto or drop --full-modules")
-    outside = sorted(s for s in set(capture_steps or ()) if s >= n_steps)
+    outside = sorted(s for s in set(capture_steps or ()) if not first <= s < first + n_steps)
     if outside:
         raise DriftcheckError(f"--capture-steps {','.join(map(str, outside))}: this run has "
-                              f"{n_steps} step(s) (0-{n_steps - 1}); choose steps in that range "
-                              "or record more with --steps")
+                              f"{n_steps} step(s) ({first}-{first + n_steps - 1}); choose steps in "
+                              "that range or record more with --steps")
 
 
 def train(model: nn.Module, batches: list[Any], scenario: Scenario,
           optimizer: torch.optim.Optimizer | None, *, device: torch.device, dtype: torch.dtype,
           dropout: DropoutControl, autocast: str | None = None, tracer: Tracer | None = None,
           fp8_handle: Any = None, on_step: Callable[[int, int], None] | None = None,
-          model_id: str | None = None) -> list[dict[str, Any]]:
+          model_id: str | None = None, first_step: int = 0,
+          step_hook: Callable[[int], Any] | None = None) -> list[dict[str, Any]]:
     """The training loop of a record, traced or not (the same code: tracing must not change
-    the numbers). Returns per step the loss and output (detached) for tests."""
+    the numbers). Returns per step the loss and output (detached) for tests. ``first_step``:
+    the number of the first step (a record started from a long run's replay point)."""
     results = []
     name = model_id or scenario.name
-    for step, raw in enumerate(batches):
+    for step, raw in enumerate(batches, start=first_step):
         dropout.set_step(step)
+        if step_hook is not None:
+            step_hook(step)  # a fault scheduled to begin at some step (tests, bench/long_runs.py)
         batch = cast_batch(raw, device, dtype)
         with dropout, _autocast(device, autocast):
             with _user_code(name, "the forward", step), \
@@ -311,7 +331,7 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
         results.append({"loss": None if loss is None else loss.detach().clone(),
                         "output": output})
         if on_step is not None:
-            on_step(step + 1, len(batches))
+            on_step(step + 1 - first_step, len(batches))
     return results
 
 
@@ -327,17 +347,6 @@ def _user_code(name: str, what: str, step: int) -> Any:
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
                               "(fix the model code; --debug shows the traceback)") from e
-
-
-def simulated_backend(name: str) -> Any:
-    """A simulated faulty backend (driftcheck/simulate.py) for checking the audits end to end."""
-    from driftcheck import simulate as sim
-
-    makers = {"views-become-copies": sim.views_become_copies, "drop-view-writes": sim.drop_view_writes,
-              "skip-bn-stats": sim.skip_batchnorm_stat_updates}
-    if name not in makers:
-        raise DriftcheckError(f"unknown --simulate {name!r}: choose one of {', '.join(makers)}")
-    return makers[name]()
 
 
 def _autocast(device: torch.device, autocast: str | None):
@@ -363,22 +372,3 @@ def _open_local(local: str | os.PathLike, replay: str | os.PathLike | None, repl
         raise DriftcheckError(f"--local {local} is not the trace replayed by --replay {replay} "
                               "(different replay_id); pass the same reference to both")
     return lr
-
-
-def _load_replay_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Any) -> None:
-    state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(("param/", "buffer/"))}
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise DriftcheckError(
-            f"--replay {replay} was recorded from a different model: "
-            f"{len(missing)} tensor(s) missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
-            f"(e.g. {unexpected[:3]}); record the target with the same MODEL as the reference")
-    bad = [k for k in own if tuple(own[k].shape) != tuple(state[k].shape)]
-    if bad:
-        raise DriftcheckError(f"--replay {replay}: shapes differ for {bad[:3]}; the reference was "
-                              "recorded from a different model configuration")
-    with torch.no_grad():
-        for k, v in own.items():
-            v.copy_(state[k])

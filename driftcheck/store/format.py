@@ -22,6 +22,12 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 REPLAY = "replay.safetensors"
 INCOMPLETE = "INCOMPLETE"  # marker file of a record in progress or interrupted
+# A long record (driftcheck/store/long.py): per-step columns instead of per-tensor entries.
+LONG_FORMAT = "driftcheck.long"
+LONG_VERSION = 1
+LONG_MANIFEST = "long.json"
+LONG_COLUMNS = "long.safetensors"
+POINTS_DIR = "points"
 SHARD_PATTERN = re.compile(r"^shard-\d{5}\.safetensors$")
 
 # Phases in execution order within a step.

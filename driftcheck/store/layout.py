@@ -13,7 +13,11 @@ RANK_DIR = re.compile(r"^rank-(\d+)$")
 # driftcheck run OUT: one trace per side, the reports beside them.
 REFERENCE, TARGET, TRUTH = "reference", "target", "truth"
 REPORT_JSON, REPORT_HTML = "report.json", "report.html"
-RUN_CONTENTS = frozenset({REFERENCE, TARGET, TRUTH, REPORT_JSON, REPORT_HTML})
+# driftcheck run --long OUT: also the control, the long report and the first bad step in full
+CONTROL, LONG_REPORT_JSON, LONG_REPORT_HTML, FIRST_BAD = ("control", "long-report.json",
+                                                          "long-report.html", "first-bad")
+RUN_CONTENTS = frozenset({REFERENCE, TARGET, TRUTH, REPORT_JSON, REPORT_HTML, CONTROL,
+                          LONG_REPORT_JSON, LONG_REPORT_HTML, FIRST_BAD})
 
 
 def rank_dir(out: str | os.PathLike, rank: int) -> Path:

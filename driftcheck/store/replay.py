@@ -44,7 +44,7 @@ def read_replay(trace_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     if not p.is_file() or p.is_symlink():
         raise TraceError(f"{p} is missing (or not a plain file): --replay needs a trace recorded "
                          "by driftcheck record")
-    if not (Path(trace_dir) / fmt.MANIFEST).is_file():
+    if not ((Path(trace_dir) / fmt.MANIFEST).is_file() or (Path(trace_dir) / fmt.LONG_MANIFEST).is_file()):
         # The replay file is written first: without a manifest the reference record never finished.
         raise TraceError(f"--replay {trace_dir} is an incomplete trace (no {fmt.MANIFEST}); "
                          "re-record the reference first")
