@@ -6,6 +6,7 @@ the first bad step in full from the nearest replay point, on both sides, and com
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -148,10 +149,21 @@ def _write(rep: Any, full: Any, json_path: str | None, html_path: str | None) ->
     from driftcheck.report.long import render_long_html
 
     for path, text in ((json_path, lambda: json.dumps(
-            dict(rep.to_dict(), first_bad_report=full.to_dict() if full is not None else None),
-            allow_nan=True, default=str)), (html_path, lambda: render_long_html(rep, full))):
+            _finite(dict(rep.to_dict(), first_bad_report=full.to_dict() if full is not None else None)),
+            allow_nan=False, default=str)), (html_path, lambda: render_long_html(rep, full))):
         if path:
             try:
                 Path(path).write_text(text(), encoding="utf-8")
             except OSError as e:
                 raise DriftcheckError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _finite(x: Any) -> Any:
+    """Strict JSON: a non-finite number (a diverged run's loss) is null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x

@@ -111,8 +111,9 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
     buffer_positions = _sample_positions(buffers, SAMPLE_SIZE) if buffers else []
     names = [n for n, _ in model.named_modules()]
     dropout = DropoutControl(seed)
+    acc = _acc_dtype(device)
     cols = torch.zeros(steps, len(("loss", "grad_norm", "update_norm", "param_norm")),
-                       dtype=torch.float64, device=device)
+                       dtype=acc, device=device)
     sample_steps = [s for s in range(steps) if s % every == 0 or s == steps - 1]
     samples, module_rms, buffer_samples = [], [], []
     points: list[int] = []
@@ -131,7 +132,7 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
                 hook.set_step(step)
             sampled = step in sample_steps
             rms: dict[str, torch.Tensor] = {}
-            handles = [m.register_forward_hook(_rms_hook(n, rms)) for n, m in model.named_modules()] \
+            handles = [m.register_forward_hook(_rms_hook(n, rms, acc)) for n, m in model.named_modules()] \
                 if sampled else []
             dropout.set_step(step)
             batch = cast_batch(distinct[step % cycle], device, tdtype)
@@ -152,17 +153,17 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():
-                cols[step, 0] = loss.detach().double()
-                cols[step, 1] = _norm(grads)
-                cols[step, 2] = _norm(torch._foreach_sub([p.detach() for p in params], before))
-                cols[step, 3] = _norm([p.detach() for p in params])
+                cols[step, 0] = loss.detach().to(acc)
+                cols[step, 1] = _norm(grads, acc)
+                cols[step, 2] = _norm(torch._foreach_sub([p.detach() for p in params], before), acc)
+                cols[step, 3] = _norm([p.detach() for p in params], acc)
                 if sampled:
-                    samples.append(torch.cat([p.detach().reshape(-1)[i].double() for p, i in zip(params, positions)]))
+                    samples.append(torch.cat([p.detach().reshape(-1)[i].to(acc) for p, i in zip(params, positions)]))
                     if buffers:
-                        buffer_samples.append(torch.cat([b.reshape(-1)[i].double()
+                        buffer_samples.append(torch.cat([b.reshape(-1)[i].to(acc)
                                                          for b, i in zip(buffers, buffer_positions)]))
                     module_rms.append(torch.stack([rms.get(n, torch.tensor(float("nan"), device=device))
-                                                   .double().to(device) for n in names]))
+                                                   .to(acc) for n in names]))
             if on_step is not None:
                 on_step(step + 1, steps)
     columns = {"loss": cols[:, 0], "grad_norm": cols[:, 1], "update_norm": cols[:, 2],
@@ -189,19 +190,25 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
     return out
 
 
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (CPU, CUDA); float32 elsewhere (MPS has no float64, a
+    TPU emulates it)."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+def _norm(tensors: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
     if not tensors:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.linalg.vector_norm(torch.stack([n.double() for n in torch._foreach_norm(tensors)]))
+        return torch.zeros((), dtype=acc)
+    return torch.linalg.vector_norm(torch.stack([n.to(acc) for n in torch._foreach_norm(tensors)]))
 
 
-def _rms_hook(name: str, into: dict[str, torch.Tensor]) -> Callable:
+def _rms_hook(name: str, into: dict[str, torch.Tensor], acc: torch.dtype) -> Callable:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         from driftcheck.nested import flatten
 
         for _, t in flatten(output, "output"):
             if t.is_floating_point() and t.numel():
-                into.setdefault(name, t.detach().double().pow(2).mean().sqrt())
+                into.setdefault(name, t.detach().to(acc).pow(2).mean().sqrt())
                 return
     return hook
 

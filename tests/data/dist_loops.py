@@ -126,3 +126,8 @@ def trainer_ddp():
 if __name__ == "__main__":
     {"api-ddp": lambda: api("ddp"), "api-fsdp": lambda: api("fsdp"),
      "lightning-fsdp": lightning_fsdp, "trainer-ddp": trainer_ddp}[LOOP]()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the Trainer and Lightning leave it: gloo's threads must not
+        dist.barrier()         # outlive the interpreter ("terminate called without an active
+        dist.destroy_process_group()  # exception" at exit)

@@ -335,3 +335,35 @@ def test_a_long_run_draws_a_bounded_chart(browser, tmp_path) -> None:
     labels = page.evaluate("document.getElementById('ratio-chart').layout.annotations.map(a => a.text)")
     assert labels[0].startswith("steps 0") and labels[-1].endswith("149")
     opened.clean()
+
+
+def test_long_run_report_draws_loss_distance_band_and_the_first_bad_step(browser, tmp_path) -> None:
+    from driftcheck import faults
+    from driftcheck.compare.long import compare_long
+    from driftcheck.loader import load_scenario
+    from driftcheck.record.long import record_long
+    from driftcheck.report.long import render_long_html
+
+    def long(name, **kw):
+        return record_long(load_scenario("llama"), tmp_path / name, steps=40, every=5, force=True, **kw)
+
+    ref = long("ref")
+    ctl = long("ctl", dtype="bf16", replay=ref, perturb=True)
+    bad = long("bad", dtype="bf16", replay=ref,
+               target_hooks=faults.starting_at(faults.scale_output("layers.1.mlp.down_proj", 2.0), 20))
+    rep = compare_long(ref, bad, ctl)
+    assert rep.first_bad_step == 20
+    path = tmp_path / "long.html"
+    path.write_text(render_long_html(rep), encoding="utf-8")
+    problems, requests = [], []
+    page = browser.new_page()
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.on("request", lambda r: r.url.startswith("file:") or requests.append(r.url))
+    page.goto(path.as_uri())
+    page.wait_for_selector("#distance .scatterlayer .trace")
+    assert len(page.query_selector_all("#loss .scatterlayer .trace")) == 3  # reference, target, control
+    assert len(page.query_selector_all("#distance .scatterlayer .trace")) == 3  # target, control, band
+    assert page.query_selector_all("#distance .shapelayer path")  # the first bad step's line
+    assert "leaves the band at step 20" in page.text_content("#conclusion")
+    assert problems == [] and requests == []
