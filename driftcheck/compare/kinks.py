@@ -119,6 +119,12 @@ class Kinks:
                 # A kink applied to a sum the module's output is part of (a residual add, then
                 # ReLU): the output's own crossings undercount it.
                 allowed = max(allowed, share)
+        elif selection and which == "tensor" and (near := self._near_kink(r)) is not None:
+            # A max pool in full mode: the windows whose top two came within twice the input's
+            # error of each other (its tie profile) may each move their gradient to another
+            # element, two elements per window. Under bf16 exact ties are common: many windows.
+            prof = self._forward_of(r)[0].meta["kink_profile"]
+            allowed = max(share, 2 * (2 * math.ceil(near * prof[0]) + 4))
         else:
             allowed = share
             near = self._near_kink(r) if which == "sample" else None

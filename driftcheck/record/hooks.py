@@ -39,7 +39,10 @@ class ForwardHooks:
                 if kinks is False:  # a module's kinks (a max pool's: "ties") do not change
                     pw = piecewise(module) if is_leaf(module) else {}
                     kinks = self._kinks[name] = pw.get("kinks") or ("ties" if pw.get("selection") else None)
-                kink = kinks is not None and not self._full(name) and self._capturing("backward")
+                # a max pool's ties are profiled in full mode too: which windows came within
+                # rounding of a tie cannot be read off the two runs' tensors without its windows
+                kink = kinks is not None and (kinks == "ties" or not self._full(name)) \
+                    and self._capturing("backward")
                 for i, (slot, t) in enumerate(inputs):
                     dev_meta = None
                     if kink and i == 0 and t.is_floating_point():
