@@ -65,6 +65,16 @@ class Scales:
             return self._norm_grad_magnitude(r)
         if ph != "grads":
             return 0.0
+        if not self.ref_index.calls.get((s, m)):
+            # A parameter its module's parent uses directly (F.multi_head_attention_forward with
+            # k_proj.weight and .bias): no call of its own, no output gradient to size its terms
+            # by. A gradient that cancels (a key bias's is exactly zero in exact arithmetic) is
+            # judged at the scale of its siblings' gradients (hf_wavlm: 3e5 on a clean bf16 run).
+            cache = self.__dict__.setdefault("_sibling_scale", {})
+            if (s, m) not in cache:
+                cache[(s, m)] = max((rms_of(e.stats) for e in self.ref_entries
+                                     if e.step == s and e.phase == "grads" and e.module == m), default=0.0)
+            return cache[(s, m)]
         g2 = x2 = g_n = 0.0
         out_ch = fan_in = None
         for c in self.ref_index.calls.get((s, m), ()):

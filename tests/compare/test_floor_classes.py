@@ -125,6 +125,48 @@ def test_max_pool_ties_under_autocast_full_mode(tmp_path, fault):
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
 
 
+class _FunctionalAttention(nn.Module):
+    """Attention whose q/k/v projections are Linear modules that never run as modules: their
+    weights and biases go to F.multi_head_attention_forward (WavLM, torch's MultiheadAttention
+    users). The key bias's gradient is exactly zero in exact arithmetic (softmax ignores a
+    constant added to every key of a row)."""
+
+    def __init__(self, d: int = 32, heads: int = 4, v_scale: float = 1.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+        self.head = nn.Linear(d, 4)
+        self.heads, self.v_scale = heads, v_scale
+
+    def forward(self, x):
+        h = self.inp(x).transpose(0, 1)  # (T, B, d)
+        a, _ = F.multi_head_attention_forward(
+            h, h, h, h.shape[-1], self.heads, None,
+            torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias * self.v_scale)),
+            None, None, False, 0.0, self.out_proj.weight, self.out_proj.bias, training=True,
+            need_weights=False, use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight,
+            k_proj_weight=self.k_proj.weight, v_proj_weight=self.v_proj.weight)
+        return self.head(a.transpose(0, 1))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_parameters_of_a_module_that_never_runs(tmp_path, fault):
+    """Their gradients have no output gradient of their own module to size their terms by: the
+    key bias's (pure cancellation) was judged at its own tiny rms, 3e5 on a clean bf16 hf_wavlm.
+    Now it is judged at its siblings' scale; a value bias 5% too large on the target still fails."""
+    make = lambda: _scenario(_FunctionalAttention, (8, 12, 16))  # noqa: E731
+    def wrong(model):
+        model.v_scale = 1.05
+    rep = _pair(tmp_path, make, local=False, dtype="fp32" if fault else "bf16",
+                hooks=wrong if fault else None)
+    if fault:
+        assert rep.verdict == "fail"
+        return
+    kb = next(e for e in rep.entries if (e.step, e.phase, e.module, e.slot) == (0, "grads", "k_proj", "param.bias"))
+    assert kb.metrics["rel_l2"] > 10  # pure rounding noise around an exact zero
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
 # -- piecewise activations: kinks at +-3 ---------------------------------------------------------
 class _HardNet(nn.Module):
     def __init__(self):
