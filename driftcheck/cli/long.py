@@ -74,7 +74,7 @@ def record_long_cmd(obj: Any, model: str, out: str, device: str, dtype: str, ste
 def compare_long_cmd(obj: Any, ref: str, target: str, control: str | None,
                      json_path: str | None, html_path: str | None) -> None:
     from driftcheck.compare.long import compare_long
-    from driftcheck.report.long import render_long_html, terminal_lines
+    from driftcheck.report.long import terminal_lines
 
     rep = compare_long(ref, target, control)
     _write(rep, None, json_path, html_path)

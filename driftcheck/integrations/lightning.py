@@ -18,42 +18,33 @@ return one). Under ``strategy="ddp"`` / FSDP every rank writes ``OUT/rank-<r>``.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Iterable
+from typing import Any
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.integrations.session import TraceSession
+from driftcheck.integrations.session import SessionCallback
 
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone package ships the same Callback
     try:
         from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
-    except ImportError as e:  # pragma: no cover - exercised by the missing-package test
+    except ImportError as e:  # pragma: no cover - needs an environment without it
         raise ImportError("driftcheck.integrations.lightning needs Lightning: pip install lightning") from e
 
 DRIVER = "lightning.Trainer"
 _AUTOCAST = {"bf16-mixed": "bf16", "16-mixed": "fp16", "bf16": "bf16", "16": "fp16"}
 
 
-class DriftcheckCallback(Callback):
+class DriftcheckCallback(SessionCallback, Callback):
     """Trace a Lightning ``fit``; with ``replay=REF``, replay the reference's weights and batches.
 
-    Args:
-        out: the trace directory to create (``force=True`` to overwrite).
-        steps: optimizer steps to trace: ``N`` (the first N, default 2) or step indices.
-        replay: a reference trace written by this callback.
-        mode: "full", "stats" or "auto". stop: end training after the last traced step.
-        **tracer: include, exclude, phases, full_modules, transfer (see driftcheck.trace).
+    Arguments: :class:`driftcheck.integrations.session.SessionCallback`.
     """
 
-    def __init__(self, out: str | os.PathLike, *, steps: int | Iterable[int] | None = None,
-                 replay: str | os.PathLike | None = None, mode: str = "full", seed: int = 0,
-                 force: bool = False, stop: bool = False, **tracer: Any) -> None:
-        self.stop = stop
-        # made now, so that bad arguments are refused before any training runs
-        self.session = TraceSession(out, steps=steps, replay=replay, mode=mode, seed=seed,
-                                    force=force, driver=DRIVER, **tracer)
+    DRIVER = DRIVER
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._module: Any = None
         self._step_from: int | None = None  # trainer.global_step when the open step began
 

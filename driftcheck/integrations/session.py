@@ -315,3 +315,28 @@ def _load_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Path
     with torch.no_grad():
         for k, v in own.items():
             ranks.local_shard(v).copy_(state[k])
+
+
+class SessionCallback:
+    """What both framework callbacks share: their arguments, turned into a TraceSession at
+    construction, so that bad arguments are refused before any training runs.
+
+    Args:
+        out: the trace directory to create (``force=True`` to overwrite).
+        steps: optimizer steps to trace: ``N`` (the first N, default 2) or step indices.
+            A replaying target traces the reference's steps unless told otherwise.
+        replay: a reference trace written by the same callback.
+        mode: "full", "stats" or "auto". stop: end training after the last traced step.
+        **tracer: include, exclude, phases, full_modules, transfer (see driftcheck.trace).
+    """
+
+    DRIVER = ""
+    SESSION_OPTIONS: dict[str, Any] = {}  # what a framework's session always needs
+
+    def __init__(self, out: str | os.PathLike, *, steps: int | Iterable[int] | None = None,
+                 replay: str | os.PathLike | None = None, mode: str = "full", seed: int = 0,
+                 force: bool = False, stop: bool = False, **tracer: Any) -> None:
+        self.stop = stop
+        self.session = TraceSession(out, steps=steps, replay=replay, mode=mode, seed=seed,
+                                    force=force, driver=self.DRIVER, **self.SESSION_OPTIONS, **tracer)
+

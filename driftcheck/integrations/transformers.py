@@ -29,42 +29,34 @@ the logit watch) when the process goes on.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.integrations.session import TraceSession
+from driftcheck.integrations.session import SessionCallback
 
 try:
     from transformers import TrainerCallback
-except ImportError as e:  # pragma: no cover - exercised by the missing-package test in a subprocess
+except ImportError as e:  # pragma: no cover - needs an environment without it
     raise ImportError("driftcheck.integrations.transformers needs transformers and accelerate: "
                       "pip install transformers accelerate") from e
 
 DRIVER = "transformers.Trainer"
 
 
-class DriftcheckCallback(TrainerCallback):
+class DriftcheckCallback(SessionCallback, TrainerCallback):
     """Trace a ``Trainer`` run; with ``replay=REF``, replay the reference's weights and batches.
 
-    Args:
-        out: the trace directory to create (``force=True`` to overwrite).
-        steps: optimizer steps to trace: ``N`` (the first N, default 2) or step indices.
-            A replaying target traces the reference's steps unless told otherwise.
-        replay: a reference trace written by this callback.
-        mode: "full", "stats" or "auto". stop: end training after the last traced step.
-        **tracer: include, exclude, phases, full_modules, transfer (see driftcheck.trace).
+    Arguments: :class:`driftcheck.integrations.session.SessionCallback`.
     """
 
-    def __init__(self, out: str | os.PathLike, *, steps: int | Iterable[int] | None = None,
-                 replay: str | os.PathLike | None = None, mode: str = "full", seed: int = 0,
-                 force: bool = False, stop: bool = False, **tracer: Any) -> None:
-        self.stop = stop
-        # made now, so that bad arguments are refused before any training runs
-        self.session = TraceSession(out, steps=steps, replay=replay, mode=mode, seed=seed,
-                                    force=force, driver=DRIVER, root_output_grads=False, **tracer)
+    DRIVER = DRIVER
+    # the model's returned outputs get no gradient capture (module docstring)
+    SESSION_OPTIONS = {"root_output_grads": False}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._handles: list[Any] = []
         self._losses: list[torch.Tensor] = []  # as backpropagated (record_loss)
         self._model_losses: list[tuple[torch.Tensor, bool]] = []  # (model's loss, normalised)
