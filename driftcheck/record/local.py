@@ -57,9 +57,12 @@ class LocalReplay:
         self._mask_mark: dict[tuple[str, int], tuple[int, int]] = {}
         self._rng_mark: dict[tuple[str, int], Any] = {}
 
-    def _ref(self, step: int, phase: str, module: str, call: int, slot: str) -> torch.Tensor | None:
+    def tensor(self, step: int, phase: str, module: str, call: int, slot: str) -> torch.Tensor | None:
+        """The reference's full tensor of that entry, or None where it holds none."""
         e = self.by_key.get((step, phase, module, call, slot))
         return None if e is None else self.reader.tensor(e)
+
+    _ref = tensor
 
     def before_call(self, name: str, call: int, device: torch.device | None = None) -> None:
         """At the real call's pre-hook: remember where the dropout mask stream and the RNG
