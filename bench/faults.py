@@ -301,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write every case as JSON here")
     ap.add_argument("--capture", choices=("full", "stats"), default="full",
                     help="record mode of every run (stats: without local replay and truth)")
+    ap.add_argument("--ops", action="store_true",
+                    help="op-level faults inside multi-op modules and the drill-down (bench/_opfaults.py); "
+                         "--models picks among its models (built-in and hf:*)")
     args = ap.parse_args(argv)
+    if args.ops:
+        return _main_ops(args)
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="driftcheck-bench-") as tmp:
@@ -314,6 +319,23 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.json:
         Path(args.json).write_text(json.dumps([c.__dict__ for c in results], indent=1, default=str))
+    return 0
+
+
+def _main_ops(args: argparse.Namespace) -> int:
+    from _opfaults import run_ops, summarize_ops
+
+    t0 = time.perf_counter()
+    models = None if args.models == ",".join(MODELS) else tuple(m.strip() for m in args.models.split(","))
+    with tempfile.TemporaryDirectory(prefix="driftcheck-bench-ops-") as tmp:
+        cases, controls = run_ops(Path(args.work or tmp), quick=args.quick, models=models)
+    print()
+    print(summarize_ops(cases, controls))
+    print(f"\n{len(cases)} cases, {len(controls)} controls, {time.perf_counter() - t0:.0f} s total, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cases": [c.__dict__ for c in cases], "controls": controls},
+                                              indent=1, default=str))
     return 0
 
 

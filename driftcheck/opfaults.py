@@ -11,6 +11,7 @@ ops); unscoped, it is active everywhere, as a faulty kernel would be.
   1/sqrt(d)): the softmax's input in eager attention, ``scale`` of fused attention ops.
 - ``low_precision_sum``: ``sum``/``mean`` accumulated sequentially in bf16.
 - ``matmul_bf16_inputs``: a float32 matmul computed from bf16-rounded operands (one bf16 pass).
+- ``scaled_mm_wrong_axis``: fp8 ``_scaled_mm`` with row-wise scales along the wrong axis.
 - ``wrong_backward``: a backward formula with a missing term (``silu_backward``, ``gelu_backward``)
   or, for any other backward op, its result scaled by ``factor``.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -32,8 +34,10 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.faults import _seq_sum
 
 __all__ = ["OpFault", "attention_scale", "gelu_tanh", "install_from_env", "low_precision_sum",
-           "matmul_bf16_inputs", "wrong_backward", "FACTORIES"]
+           "matmul_bf16_inputs", "scaled_mm_wrong_axis", "wrong_backward", "FACTORIES"]
 
+_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep,
+         os.path.dirname(os.__file__) + os.sep)
 _SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
          "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
          "_scaled_dot_product_cudnn_attention")
@@ -50,7 +54,11 @@ class _Mode(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in f.ops and f.active() and not _float64(args):
             f.hits += 1
+            if not f.backward:
+                f._site()
             return f.compute(func, args, kwargs)
+        if f.watch and name in f.watch and f._depth > 0 and not _float64(args):
+            f._site()  # the forward op whose backward is the faulty one
         return func(*args, **kwargs)
 
 
@@ -68,14 +76,25 @@ class OpFault:
     """
 
     def __init__(self, kind: str, ops: tuple[str, ...], compute: Callable[..., Any],
-                 module: str | None = None, backward: bool = False, **params: Any) -> None:
+                 module: str | None = None, backward: bool = False, watch: tuple[str, ...] = (),
+                 **params: Any) -> None:
         self.kind, self.ops, self.compute, self.module = kind, frozenset(ops), compute, module
         self.backward, self.params, self.hits = backward, params, 0
+        self.watch = frozenset(watch)
+        # (file, line) of the model code that issued the faulty op (for a backward op: its
+        # forward op), found from the Python stack when it runs: a benchmark's ground truth
+        self.sites: set[tuple[str, int]] = set()
         self._depth = 0
         self._spans: list[tuple[int, int]] = []
         self._start = 0
         self._handles: list[Any] = []
         self._mode: _Mode | None = None
+
+    def _site(self) -> None:
+        for fr in reversed(traceback.extract_stack()[:-3]):
+            if not fr.filename.startswith(_SKIP) and not fr.filename.startswith("<"):
+                self.sites.add((fr.filename, fr.lineno or 0))
+                return
 
     # -- scope ---------------------------------------------------------------------------------
     def active(self) -> bool:
@@ -201,13 +220,26 @@ def wrong_backward(module: str | None = None, op: str = "silu_backward",
             return out * factor
         return type(out)(o * factor if isinstance(o, torch.Tensor) and o.is_floating_point() else o
                          for o in out)
-    return OpFault("wrong_backward", (op,), compute, module, backward=True, op=op)
+    return OpFault("wrong_backward", (op,), compute, module, backward=True,
+                   watch=(op.removesuffix("_backward"),), op=op)
+
+
+def scaled_mm_wrong_axis(module: str | None = None) -> OpFault:
+    """fp8 ``_scaled_mm`` with row-wise scales applied along the other axis (torch_tpu's bug
+    #1820): the row scale of A multiplies columns and the column scale of B rows (square
+    outputs; other shapes are left alone)."""
+    def compute(func, args, kwargs):
+        a, b, sa, sb = args[:4]
+        if sa.numel() > 1 and sb.numel() > 1 and a.shape[0] == b.shape[1]:
+            args = (a, b, sb.reshape(sa.shape), sa.reshape(sb.shape)) + tuple(args[4:])
+        return func(*args, **kwargs)
+    return OpFault("scaled_mm_wrong_axis", ("_scaled_mm",), compute, module)
 
 
 FACTORIES: dict[str, Callable[..., OpFault]] = {
     "gelu_tanh": gelu_tanh, "attention_scale": attention_scale,
     "low_precision_sum": low_precision_sum, "matmul_bf16_inputs": matmul_bf16_inputs,
-    "wrong_backward": wrong_backward,
+    "wrong_backward": wrong_backward, "scaled_mm_wrong_axis": scaled_mm_wrong_axis,
 }
 
 

@@ -145,10 +145,41 @@ def skip_batchnorm_stat_updates() -> TorchDispatchMode:
     return _SkipBatchNormStatUpdates()
 
 
+class _OpFaultBackend:
+    """A backend with one wrong kernel (driftcheck/opfaults.py), everywhere in the run."""
+
+    def __init__(self, spec: str) -> None:
+        from driftcheck.opfaults import from_spec
+
+        self.fault = from_spec(spec)
+
+    def __enter__(self) -> "_OpFaultBackend":
+        self.fault()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.fault.remove()
+
+    @property
+    def changes(self) -> int:
+        return self.fault.hits
+
+
+# --simulate NAME -> opfaults spec: backends with one wrong kernel, for the drill-down end to end
+OP_FAULTS = {"gelu-tanh": "gelu_tanh", "attention-scale": "attention_scale",
+             "sum-bf16": "low_precision_sum", "matmul-bf16": "matmul_bf16_inputs",
+             "silu-backward": "wrong_backward:op=silu_backward",
+             "scaled-mm-wrong-axis": "scaled_mm_wrong_axis"}
+
+
 def backend(name: str) -> Any:
-    """The simulated faulty backend ``--simulate NAME`` runs on, for checking the audits end to end."""
+    """The simulated faulty backend ``--simulate NAME`` runs on, for checking the audits and the
+    drill-down end to end."""
     makers = {"views-become-copies": views_become_copies, "drop-view-writes": drop_view_writes,
               "skip-bn-stats": skip_batchnorm_stat_updates}
+    if name in OP_FAULTS:
+        return _OpFaultBackend(OP_FAULTS[name])
     if name not in makers:
-        raise DriftcheckError(f"unknown --simulate {name!r}: choose one of {', '.join(makers)}")
+        raise DriftcheckError(f"unknown --simulate {name!r}: choose one of "
+                              f"{', '.join(list(makers) + list(OP_FAULTS))}")
     return makers[name]()

@@ -107,7 +107,9 @@ def _progress(obj: _Ctx) -> Any:
 
 
 # -- options record and run share ---------------------------------------------------------------
-SIMULATED = ["views-become-copies", "drop-view-writes", "skip-bn-stats"]  # simulate.py's backends
+SIMULATED = ["views-become-copies", "drop-view-writes", "skip-bn-stats",  # simulate.py's backends
+             "gelu-tanh", "attention-scale", "sum-bf16", "matmul-bf16", "silu-backward",
+             "scaled-mm-wrong-axis"]
 
 
 def _apply(f: Any, options: list[Any]) -> Any:
@@ -212,3 +214,18 @@ def _finish(obj: _Ctx, report: Any, top: int, json_path: str | None, html_path: 
 def _one_line(text: str) -> str:
     """Messages quote module names from user code: keep them to one printable line."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
+
+
+_ENV_NAME = __import__("re").compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_env(values: tuple[str, ...] | list[str], flag: str) -> dict[str, str]:
+    """``NAME=VALUE`` options as a dict; anything else is refused in one line."""
+    env: dict[str, str] = {}
+    for v in values:
+        name, eq, value = v.partition("=")
+        if not eq or not _ENV_NAME.match(name):
+            raise DriftcheckError(f"{flag} {v!r}: expected NAME=VALUE with NAME a variable name "
+                                  "(e.g. TORCH_TPU_DEFER_AND_FUSE=1)")
+        env[name] = value
+    return env

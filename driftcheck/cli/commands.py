@@ -28,9 +28,12 @@ from driftcheck.cli.app import (
     _ranges,
     _write_outputs,
     cli,
+    parse_env,
 )
 from driftcheck.errors import DriftcheckError
-from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd, run_long
+from driftcheck.cli import drill as _drill  # noqa: F401  (registers driftcheck drill)
+from driftcheck.cli import run as _run  # noqa: F401  (registers driftcheck run)
+from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd
 from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
 
 
@@ -75,8 +78,14 @@ def models(obj: _Ctx) -> None:
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
                    "in OUT/rank-N (see docs/performance.md).")
 @click.option("--local", "local", type=click.Path(), default=None,
-              help="Also rerun every leaf module on this reference's inputs (use with --replay REF): "
-                   "compare then separates each module's own error from what it inherits.")
+              help="Also rerun every leaf module on this reference's inputs: compare then separates "
+                   "each module's own error from what it inherits  [default: the --replay trace, "
+                   "where it holds full tensors]")
+@click.option("--no-local", is_flag=True, help="No local replay (not even of the --replay trace).")
+@click.option("--env", "env_vars", multiple=True, metavar="NAME=VALUE",
+              help="Set an environment variable for this record (repeatable; e.g. "
+                   "TORCH_TPU_DEFER_AND_FUSE=1); recorded in the manifest, and every rerun of this "
+                   "side (drill-down) runs under it.")
 @click.option("--simulate", type=click.Choice(SIMULATED),
               default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
 @functools.partial(long_options, record=True)
@@ -86,7 +95,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
-           view_audit: bool, local: str | None, simulate: str | None,
+           view_audit: bool, local: str | None, no_local: bool, env_vars: tuple, simulate: str | None,
            parallel: str | None, long_: bool, every: int, points_every: int | None, perturb: bool,
            start: int | None) -> None:
     """Record MODEL's training steps into a trace directory.
@@ -94,6 +103,8 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     MODEL is a built-in name (driftcheck models), hf:<family>, hf:PATH,
     path/to/file.py:build or package.module:build.
     """
+    env = parse_env(env_vars, "--env")
+    os.environ.update(env)  # before torch (and a backend package) is imported
     from driftcheck import devices
 
     if perturb and not long_:
@@ -135,8 +146,12 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
                        "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
                        "effect on CUDA (TF32) and under torch_tpu", err=True)
     from driftcheck.loader import load_scenario
-    from driftcheck.record.runner import record as do_record
+    from driftcheck.record.runner import default_local, record as do_record
 
+    if no_local and local:
+        raise DriftcheckError("--local and --no-local contradict each other; choose one")
+    if local is None and not no_local:
+        local = default_local(replay, mode=mode, parallel=parallel, fp8=fp8, start=start)
     scenario = load_scenario(model, seed)
     progress = _progress(obj)
     lines = os.environ.get(PROGRESS_VAR) == "lines"  # driftcheck run reads them from our stderr
@@ -155,7 +170,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
             simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step,
-            start=start))
+            start=start, env=env))
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
@@ -286,89 +301,3 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
             raise DriftcheckError(f"cannot write probe JSON to {json_path}: {err.strerror}; "
                                   "choose a writable path for --json") from err
     return 0 if all(results) else 1
-
-
-# -- run ----------------------------------------------------------------------------------------
-@cli.command()
-@click.argument("model")
-@click.option("--reference", "ref_device", default="cpu", show_default=True,
-              help="Reference device: cpu or cuda[:N].")
-@click.option("--target", "tgt_device", required=True,
-              help="Target device: tpu, cuda[:N], cpu (a precision what-if), mps, xpu or a PrivateUse1 name.")
-@click.option("--reference-dtype", default="fp32", show_default=True, help="Reference dtype: fp32, bf16, fp16 or fp64.")
-@click.option("--target-dtype", default="fp32", show_default=True, help="Target dtype: fp32, bf16, fp16 or fp64.")
-@_precision_options("the target's")
-@click.option("--truth", type=click.Choice(["fp64"]), default=None,
-              help="Also record a float64 truth on CPU from the same replay  [default: none]")
-@click.option("--local", "local", is_flag=True,
-              help="Rerun every leaf module of the target on the reference's inputs: separates each "
-                   "module's own error from what it inherits (needs --mode full).")
-@click.option("--out", "-o", required=True, type=click.Path(), help="Run directory (traces and reports).")
-@click.option("--force", is_flag=True, help="Replace an earlier run in --out.")
-@click.option("--steps", type=int, default=None, help="Training steps  [default: the scenario's]")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
-@_capture_options
-@click.option("--view-audit", is_flag=True,
-              help="Record view/in-place events on both sides for the BatchNorm/view/in-place audits.")
-@click.option("--simulate", type=click.Choice(SIMULATED),
-              default=None, help="Run the target on a simulated faulty backend (to see the audits catch it).")
-@click.option("--policy", "policy_path", type=click.Path(), default=None,
-              help="Policy file  [default: driftcheck.toml or [tool.driftcheck] in pyproject.toml]")
-@click.option("--limit", type=float, default=None,
-              help="Override every ratio limit  [default: the policy's, 3.5 without one]")
-@click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
-@click.option("--html/--no-html", "html", default=True, show_default=True, help="Write OUT/report.html.")
-@click.option("--junit", "junit_path", type=click.Path(), default=None, help="Also write JUnit XML here.")
-@click.option("--summary-md", "md_path", type=click.Path(), default=None, help="Also write a Markdown summary here.")
-@functools.partial(long_options, record=False)
-@_everywhere
-@click.pass_obj
-def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
-        target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
-        emulate: str | None, truth: str | None, local: bool, out: str, force: bool, steps: int | None, seed: int, mode: str,
-        include: tuple, exclude: tuple, full_modules: tuple, phases: str | None,
-        capture_steps: str | None, transfer: str, view_audit: bool, simulate: str | None,
-        policy_path: str | None, limit: float | None, top: int, html: bool, junit_path: str | None,
-        md_path: str | None, long_: bool, every: int, points_every: int | None) -> None:
-    """Record truth (optional), reference and target, each in its own process, and compare.
-
-    On a TPU VM: driftcheck run MODEL --reference cpu --target tpu --out run/
-    Before buying hardware: driftcheck run MODEL --target cpu --target-dtype bf16 --out run/
-    Many steps: driftcheck run MODEL --target tpu --long --steps 3000 --out run/
-    """
-    from driftcheck.record.run import Sides, record_sides
-
-    if long_:
-        return run_long(obj, model=model, out=Path(out), ref_device=ref_device, tgt_device=tgt_device,
-                        reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
-                        steps=steps, seed=seed, every=every, points_every=points_every, force=force,
-                        html=html, simulate=simulate)
-
-    if limit is not None and not limit > 0:
-        raise DriftcheckError(f"--limit must be positive, got {limit}")
-    _phases(phases)
-    _ranges(capture_steps)
-    sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
-                  reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
-                  fp8=fp8, matmul_precision=matmul_precision, emulate=emulate, truth=truth, local=local,
-                  steps=steps, seed=seed, mode=mode, force=force, include=include, exclude=exclude,
-                  full_modules=full_modules, phases=phases, capture_steps=capture_steps,
-                  transfer=transfer, view_audit=view_audit, simulate=simulate)
-    progress = _progress(obj)
-    with progress as p:
-        out_dir, ref_dir, tgt_dir, truth_dir = record_sides(
-            sides, debug=obj.debug, say=None if obj.quiet else (lambda m: p.console.print(m, markup=False,
-                                                                                            highlight=False)),
-            progress=p)
-        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-        from driftcheck.compare import compare as do_compare
-        from driftcheck.policy import Policy
-
-        task = p.add_task("comparing", total=None)
-        report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,
-                            truth=str(truth_dir) if truth else None,
-                            on_progress=lambda i, n: p.update(task, completed=i, total=n))
-    if not obj.quiet:
-        click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
-    _finish(obj, report, top, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
-            junit_path, md_path)

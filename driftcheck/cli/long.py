@@ -87,7 +87,8 @@ def compare_long_cmd(obj: Any, ref: str, target: str, control: str | None,
 def run_long(obj: Any, *, model: str, out: Path, ref_device: str, tgt_device: str,
              reference_dtype: str, target_dtype: str, autocast: str | None, steps: int | None,
              seed: int, every: int, points_every: int | None, force: bool, html: bool,
-             simulate: str | None = None) -> None:
+             simulate: str | None = None, reference_env: dict[str, str] | None = None,
+             target_env: dict[str, str] | None = None) -> None:
     """``driftcheck run --long``: reference, target, control, the band, the first bad step."""
     from driftcheck.record import run as run_mod
     from driftcheck.store import layout
@@ -105,14 +106,17 @@ def run_long(obj: Any, *, model: str, out: Path, ref_device: str, tgt_device: st
     ref, tgt, ctl = out / layout.REFERENCE, out / layout.TARGET, out / CONTROL
     cast = ["--autocast", autocast] if autocast else []
     sim = ["--simulate", simulate] if simulate else []  # the target only
-    run_mod._record([model, "--out", str(ref), "--device", ref_device, "--dtype", reference_dtype] + common,
-                    "reference (long)", obj.debug, say)
+    renv, tenv = reference_env or {}, target_env or {}
+    re_args, te_args = run_mod.env_args(renv), run_mod.env_args(tenv)
+    run_mod._record([model, "--out", str(ref), "--device", ref_device, "--dtype", reference_dtype]
+                    + common + re_args, "reference (long)", obj.debug, say, env=renv)
     run_mod._record([model, "--out", str(tgt), "--device", tgt_device, "--dtype", target_dtype,
-                     "--replay", str(ref)] + cast + sim + common, "target (long)", obj.debug, say)
+                     "--replay", str(ref)] + cast + sim + common + te_args, "target (long)", obj.debug,
+                    say, env=tenv)
     run_mod._record([model, "--out", str(ctl), "--device", ref_device, "--dtype", target_dtype,
-                     "--replay", str(ref), "--perturb"] + cast + common,
+                     "--replay", str(ref), "--perturb"] + cast + common + re_args,
                     "control (the target's precision on the reference device, weights 1 ulp off)",
-                    obj.debug, say)
+                    obj.debug, say, env=renv)
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     from driftcheck.compare import compare
     from driftcheck.compare.long import compare_long
@@ -128,10 +132,11 @@ def run_long(obj: Any, *, model: str, out: Path, ref_device: str, tgt_device: st
         seg = ["--replay", str(ref), "--start", str(start), "--steps", str(s - start + 1),
                "--capture-steps", str(s), "--seed", str(seed), "--force"]
         run_mod._record([model, "--out", str(fb / layout.REFERENCE), "--device", ref_device,
-                         "--dtype", reference_dtype] + seg, f"step {s} in full, reference", obj.debug, say)
+                         "--dtype", reference_dtype] + seg + re_args, f"step {s} in full, reference",
+                        obj.debug, say, env=renv)
         run_mod._record([model, "--out", str(fb / layout.TARGET), "--device", tgt_device,
-                         "--dtype", target_dtype] + cast + sim + seg, f"step {s} in full, target",
-                        obj.debug, say)
+                         "--dtype", target_dtype] + cast + sim + seg + te_args,
+                        f"step {s} in full, target", obj.debug, say, env=tenv)
         full = compare(str(fb / layout.REFERENCE), str(fb / layout.TARGET))
         from driftcheck.cli.app import _write_outputs
 

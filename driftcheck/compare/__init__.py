@@ -132,7 +132,11 @@ class Comparison(Judging, Kinks, Scales, Measuring, Findings, Verdict):
         self._trace_findings()
         self._nonfinite_findings(entries)
         self._precision_findings()
-        return self._verdict(entries)
+        report = self._verdict(entries)
+        from driftcheck.signatures import attach
+
+        attach(report)  # the known defects its findings show (the drill adds the op-level ones)
+        return report
 
     def tick(self) -> None:
         """One more pair measured or entry judged: tell ``on_progress``."""

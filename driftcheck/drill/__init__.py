@@ -85,7 +85,6 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
     """Drill ``point`` (a side.Point; default: the first divergence of ``report``, compared here
     when not given). ``out``: where ``drill.json`` and ``repro/`` go (nothing written without).
     ``target_hooks``/``scenario`` (a factory of fresh Scenarios) imply ``in_process``."""
-    from driftcheck.drill import align as al
     from driftcheck.drill import judge as jd
     from driftcheck.store import TraceReader
 
@@ -125,7 +124,7 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
                 "phase": first.phase, "op": first.op, "ratio": first.ratio, "floor": first.floor,
                 "error": first.error, "output": first.output, "source": first.source,
                 "inputs": first.inputs, "truth": first.truth, "limit": lim,
-                "drilled_phase": point.phase}
+                "drilled_phase": point.phase, "call_site": info.get("call_site")}
     result = DrillResult(point=pt, judged=judged, root_cause=root,
                          ops={"reference": len(ref_ops), "target": len(tgt_ops), "aligned": len(pairs),
                               "judged": len(judged)},

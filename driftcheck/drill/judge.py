@@ -5,11 +5,15 @@ For an aligned pair (reference op, target op), on the reference op's recorded in
   where the op has no float64 CPU kernel);
 - the target's local output: the target's op rerun on those inputs cast to its dtypes, on the
   target's device, inside the faulty module if there is one (driftcheck/drill/side.py);
-- the op's floor: the same op computed by a trusted implementation (the CPU's kernels, with the
-  target's recorded TPU matmul emulation if it had one) on the same cast inputs, measured against
-  the truth. It carries everything precision explains for *this* op on *these* operands: its
-  dtype, its reduction length, the magnitudes it cancels. A floor never falls below two units of
-  roundoff of the output's rms (two correct kernels differ by an ulp or two).
+- the op's floor: a correct kernel on the same cast operands (with the reference's scalars and
+  flags, the target's dtype arguments: ``merge_spec``), measured against the truth: the
+  CPU's op on the operands widened to float32 where they are bf16/fp16 (products exact, sums
+  accumulated wide, as DESIGN.md's numerics expect of a correct kernel), each output rounded once
+  to the dtype the target returns, under the target's recorded TPU matmul emulation if it had
+  one. It carries everything precision explains for *this* op on *these* operands: its dtypes,
+  its reduction length, the magnitudes it cancels; a kernel that accumulates in bf16 (PyTorch's
+  own CPU LayerNorm backward does) is beyond it. A floor never falls below two units of roundoff
+  of the output's rms (two correct kernels differ by an ulp or two).
 
 ratio = rms(target - truth) / floor, per floating output; an op's ratio is its worst output's.
 Ops that draw random numbers are not judged (their inputs are the reference's everywhere else).
@@ -42,6 +46,7 @@ class OpJudgement:
     source: dict[str, Any] | None
     inputs: list[dict[str, Any]]  # shape and dtype of each tensor argument, target side
     truth: str  # "float64" or "reference"
+    alternatives: dict[str, float] = dataclasses.field(default_factory=dict)  # see _alternatives
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,6 +68,104 @@ def _rms(x: torch.Tensor) -> float:
     return math.sqrt(float((x * x).mean())) if x.numel() else 0.0
 
 
+_LOW = (torch.bfloat16, torch.float16)
+MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "addmv", "mv"})
+SUMS = frozenset({"sum", "mean"})
+
+
+def _widen(dt: torch.dtype) -> torch.dtype:
+    return torch.float32 if dt in _LOW else dt
+
+
+def merge_spec(ref: Any, tgt: Any) -> Any:
+    """The reference's arguments (what the model asked for: its scalars, its flags) with the
+    target's tensors and dtype arguments (what its precision made of them: autocast's casts);
+    where the two structures differ, the target's."""
+    if isinstance(tgt, dict) and ("dtype" in tgt or "T" in tgt):
+        return tgt
+    if isinstance(ref, dict) and isinstance(tgt, dict):
+        if "L" in ref and "L" in tgt and len(ref["L"]) == len(tgt["L"]):
+            return {"L": [merge_spec(a, b) for a, b in zip(ref["L"], tgt["L"])]}
+        if "args" in ref and "args" in tgt and len(ref["args"]) == len(tgt["args"]) \
+                and set(ref["kwargs"]) == set(tgt["kwargs"]):
+            return {"args": [merge_spec(a, b) for a, b in zip(ref["args"], tgt["args"])],
+                    "kwargs": {k: merge_spec(v, tgt["kwargs"][k]) for k, v in ref["kwargs"].items()}}
+        return ref if ref.keys() == tgt.keys() and "L" not in ref and "args" not in ref else tgt
+    return tgt if isinstance(ref, dict) != isinstance(tgt, dict) else ref
+
+
+def _ideal(tgt: OpRecord, cast: list[torch.Tensor], emulate: str | None,
+           spec: Any = None) -> list[torch.Tensor | None] | None:
+    """A correct kernel on the target's operands: bf16/fp16 operands computed in float32 (the
+    products exact, the sums wide), each output rounded once to the dtype the target returns."""
+    wide = [x.to(_widen(x.dtype)) if x.is_floating_point() else x for x in cast]
+    ctx: Any = contextlib.nullcontext()
+    if emulate:
+        from driftcheck.emulate import emulate_tpu
+
+        ctx = emulate_tpu(emulate)
+    with ctx:
+        outs = _call(tgt.op, spec if spec is not None else tgt.spec, wide, _widen)
+    if outs is None:
+        return None
+    return [o.to(getattr(torch, d)) if o is not None and d is not None and o.is_floating_point() else o
+            for o, d in zip(outs, list(tgt.out_dtypes) + [None] * len(outs))]
+
+
+def _alternatives(tgt: OpRecord, ins: list[torch.Tensor], truth: torch.Tensor) -> dict[str, float]:
+    """Errors of wrong-but-plausible kernels on the same operands, for the known signatures: a
+    float32 matmul done as one bf16 pass; a sum accumulated one element at a time in bf16."""
+    alt: dict[str, float] = {}
+    name = tgt.packet
+    t64 = truth.double()
+    if name in MATMULS and any(x.dtype == torch.float32 for x in ins if x.is_floating_point()):
+        low = [x.to(torch.bfloat16).float() if x.dtype == torch.float32 else x for x in ins]
+        outs = _call(tgt.op, tgt.spec, low)
+        if outs and outs[0] is not None and outs[0].shape == truth.shape:
+            alt["bf16_pass"] = _rms(outs[0].double() - t64)
+    if name == "_scaled_mm":
+        a, k = decode_args(tgt.spec, [x.clone() for x in ins])
+        wrong = _scaled_mm_exact(a, k, wrong_axis=True)
+        if wrong is not None and wrong.shape == truth.shape:
+            alt["scales_wrong_axis"] = _rms(wrong - t64)
+    if name in SUMS and ins and ins[0].is_floating_point() and 0 < ins[0].numel() <= 1 << 22:
+        from driftcheck.faults import _seq_sum
+
+        x = ins[0]
+        a, k = decode_args(tgt.spec, [x.clone()] + [i.clone() for i in ins[1:]])
+        dim = a[1] if len(a) > 1 else k.get("dim")
+        dims = tuple(range(x.dim())) if dim in (None, []) else ((dim,) if isinstance(dim, int) else tuple(dim))
+        n = math.prod(x.shape[d] for d in dims) if x.dim() else 1
+        if x.dim() and n <= 8192:
+            acc = _seq_sum(x.float(), dims, torch.bfloat16).double()
+            if name == "mean":
+                acc = acc / n
+            acc = acc.reshape(t64.shape) if acc.numel() == t64.numel() else None
+            if acc is not None:
+                alt["bf16_accumulation"] = _rms(acc - t64)
+    return alt
+
+
+def _scaled_mm_exact(a: tuple, k: dict, wrong_axis: bool = False) -> torch.Tensor | None:
+    """``_scaled_mm`` in float64 from its fp8 operands (exactly representable); with
+    ``wrong_axis`` the row/column scales applied along the other axis (square outputs only)."""
+    names = ("self", "mat2", "scale_a", "scale_b", "bias")
+    v = dict(zip(names, a), **{n: k[n] for n in names if n in k})
+    x, w, sa, sb = (v.get(n) for n in names[:4])
+    if not all(isinstance(t, torch.Tensor) for t in (x, w, sa, sb)):
+        return None
+    acc = x.double() @ w.double()
+    sa, sb = sa.double(), sb.double()
+    if wrong_axis:
+        if acc.shape[0] != acc.shape[1] or sa.numel() == 1 and sb.numel() == 1:
+            return None
+        sa, sb = sa.reshape(1, -1) if sa.numel() > 1 else sa, sb.reshape(-1, 1) if sb.numel() > 1 else sb
+    out = acc * sa * sb
+    if isinstance(v.get("bias"), torch.Tensor):
+        out = out + v["bias"].double()
+    return out
+
+
 def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJudgement | None:
     """The judgement of one aligned pair, or None where nothing can be judged (a random op, no
     local output, no floating output, arguments that could not be recorded)."""
@@ -71,19 +174,18 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
         return None
     ins = [x.cpu() for x in ref.inputs]
     as64 = [x.double() if x.is_floating_point() else x for x in ins]
-    truth = _call(ref.op, ref.spec, [x.clone() for x in as64], torch.float64)
+    if ref.packet == "_scaled_mm":  # no float64 kernel: its fp8 operands are exact in float64
+        a, k = decode_args(ref.spec, [x.clone() for x in ins])
+        exact = _scaled_mm_exact(a, k)
+        truth = [exact] if exact is not None else None
+    else:
+        truth = _call(ref.op, ref.spec, [x.clone() for x in as64], torch.float64)
     truth_kind = "float64"
     if truth is None:
         truth, truth_kind = [o.double() if o is not None and o.is_floating_point() else o
                              for o in (ref.outputs or [])], "reference"
     cast = [x.to(getattr(torch, d)) if x.is_floating_point() else x for x, d in zip(ins, tgt.in_dtypes)]
-    ctx: Any = contextlib.nullcontext()
-    if emulate:
-        from driftcheck.emulate import emulate_tpu
-
-        ctx = emulate_tpu(emulate)
-    with ctx:
-        trusted = _call(tgt.op, tgt.spec, [x.clone() for x in cast])
+    ideal = _ideal(tgt, [x.clone() for x in cast], emulate, merge_spec(ref.spec, tgt.spec))
     ratios: list[float | None] = []
     best: tuple[float, float, float, float, int] | None = None  # ratio, floor, error, size, k
     for k, y in enumerate(tgt.local):
@@ -99,13 +201,10 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
             y64, t64 = torch.where(finite, y64, 0.0), torch.where(finite, t64, 0.0)
             scale = _rms(t64)
             u = dtypes.unit_roundoff(y.dtype)
-            e_f = 0.0
-            f = trusted[k] if trusted is not None and k < len(trusted) else None
-            if f is not None and tuple(f.shape) == tuple(y.shape) and f.is_floating_point():
-                f64 = torch.where(finite, f.double(), 0.0)
-                e_f = _rms(f64 - t64)
-            else:
-                f64 = None
+            f = ideal[k] if ideal is not None and k < len(ideal) else None
+            f64 = torch.where(finite, f.double(), 0.0) if f is not None and \
+                tuple(f.shape) == tuple(y.shape) and f.is_floating_point() else None
+            e_f = _rms(f64 - t64) if f64 is not None else 0.0
             floor = max(e_f, 2 * u * scale, 1e-300)
             err = _rms(y64 - t64)
             size = _rms(y64 - f64) / floor if f64 is not None else err / floor
@@ -115,11 +214,14 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
             best = (*r, k)
     if best is None:
         return None
+    alt = {}
+    if best[0] > 1 and truth[0] is not None and tgt.local[0] is not None:
+        alt = _alternatives(tgt, cast, truth[0])
     return OpJudgement(ref_index=ref.index, tgt_index=tgt.index, op=tgt.op, phase=tgt.phase,
                        ratio=best[0], floor=best[1], error=best[2], size=best[3], output=best[4],
                        ratios=ratios, source=tgt.source or ref.source,
                        inputs=[{"shape": s, "dtype": d} for s, d in zip(tgt.in_shapes, tgt.in_dtypes)],
-                       truth=truth_kind)
+                       truth=truth_kind, alternatives=alt)
 
 
 def judge(ref_ops: list[OpRecord], tgt_ops: list[OpRecord], pairs: list[tuple[int, int]],

@@ -28,10 +28,14 @@ from driftcheck.errors import DriftcheckError
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB = os.path.dirname(os.__file__) + os.sep
+# Ops whose outputs are not a function of their inputs: never judged.
 RANDOM_OPS = frozenset({"bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn",
                         "randn_like", "randint", "randint_like", "randperm", "normal", "normal_",
                         "uniform_", "exponential_", "multinomial", "random_", "geometric_",
-                        "cauchy_", "log_normal_"})
+                        "cauchy_", "log_normal_",
+                        # uninitialised memory: whatever the allocator hands out
+                        "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                        "empty_permuted"})
 BOUNDARY = "_drilled_call"  # the function of driftcheck/drill/side.py that calls the module
 
 
@@ -94,9 +98,10 @@ def encode_args(args: tuple, kwargs: dict, leaves: list[torch.Tensor]) -> Any:
 
 
 def decode_args(spec: Any, leaves: list[torch.Tensor], device: torch.device | str | None = None,
-                float_dtype: torch.dtype | None = None) -> tuple[tuple, dict]:
-    """(args, kwargs) back from ``encode_args``: ``device`` replaces every device argument,
-    ``float_dtype`` every floating dtype argument (a float64 truth run)."""
+                float_dtype: Any = None) -> tuple[tuple, dict]:
+    """(args, kwargs) back from ``encode_args``: ``device`` replaces every device argument;
+    ``float_dtype`` (a dtype, or a function of one) every floating dtype argument (float64 for a
+    truth run, float32 for bf16 in an ideal-kernel run)."""
     def dec(x: Any) -> Any:
         if isinstance(x, dict):
             if "T" in x:
@@ -107,7 +112,9 @@ def decode_args(spec: Any, leaves: list[torch.Tensor], device: torch.device | st
                 return [dec(v) for v in x["L"]]
             if "dtype" in x:
                 dt = getattr(torch, x["dtype"])
-                return float_dtype if float_dtype is not None and dt.is_floating_point else dt
+                if float_dtype is None or not dt.is_floating_point:
+                    return dt
+                return float_dtype(dt) if callable(float_dtype) else float_dtype
             if "device" in x:
                 return torch.device(device) if device is not None else torch.device(x["device"])
             if "enum" in x:
@@ -131,8 +138,7 @@ def _pick(frames: list[tuple[str, int, str]]) -> dict[str, Any] | None:
     innermost frame outside torch, driftcheck and the standard library; else the innermost
     ``torch/nn/modules`` forward (the drilled module is torch's own)."""
     def own(f: str) -> bool:
-        return f.startswith(_TORCH_DIR) or f.startswith(_OWN_DIR) or f.startswith(_STDLIB) \
-            or f.startswith("<")
+        return f.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB, "<"))
     chosen = next((fr for fr in frames if not own(fr[0])), None)
     if chosen is None:
         chosen = next((fr for fr in frames if "/nn/modules/" in fr[0]
@@ -141,6 +147,23 @@ def _pick(frames: list[tuple[str, int, str]]) -> dict[str, Any] | None:
         return None
     f, line, fn = chosen
     return {"file": f, "line": line, "function": fn, "code": linecache.getline(f, line).strip()}
+
+
+def call_site() -> dict[str, Any] | None:
+    """The model-code line that called the module whose hook is running (for a drilled
+    module that is torch's own, such as an ``nn.Linear``, this is where the model uses it)."""
+    frames: list[tuple[str, int, str]] = []
+    f = sys._getframe(1)
+    while f is not None:
+        frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    def own(name: str) -> bool:
+        return name.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB, "<"))
+    chosen = next((fr for fr in frames if not own(fr[0])), None)
+    if chosen is None:
+        return None
+    return {"file": chosen[0], "line": chosen[1], "function": chosen[2],
+            "code": linecache.getline(chosen[0], chosen[1]).strip()}
 
 
 def forward_source() -> dict[str, Any] | None:

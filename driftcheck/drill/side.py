@@ -103,6 +103,7 @@ class DrillHook:
         try:
             prepared = _prepare(ref, self.point, module, args, kwargs, output)
             self.info = prepared.pop("info")
+            self.info["call_site"] = oplog.call_site()
             if self.ref_ops is None:
                 self.ops = self._pass(module, prepared, oplog.OpRecorder(keep=self.keep))
             else:
@@ -131,11 +132,11 @@ class DrillHook:
                 saved = (self.dropout.index, len(self.dropout.masks))
                 self.dropout.index = mask_index
             try:
-                inputs = substitute(prep["args"], "input", _fresh_leaf(prep["leaves"]))
-                kw = substitute(prep["kwargs"], "input", _fresh_leaf(prep["leaves"]))
+                leaves: list[torch.Tensor] = []
+                inputs = substitute(prep["args"], "input", _fresh_leaf(prep["leaves"], leaves))
+                kw = substitute(prep["kwargs"], "input", _fresh_leaf(prep["leaves"], leaves))
                 params = {k: v.detach().requires_grad_(v.requires_grad) for k, v in prep["params"].items()}
                 buffers = {k: v.clone() for k, v in prep["buffers"].items()}
-                leaves = [t for t in _leaves_of(inputs, kw)]
                 with torch.autograd.set_detect_anomaly(True, check_nan=False):
                     out = _drilled_call(module, params, buffers, inputs, kw, rec)
                 if self.point.phase == "backward":
@@ -166,23 +167,18 @@ def _drilled_call(module: nn.Module, params: dict, buffers: dict, args: Any, kwa
 assert _drilled_call.__name__ == oplog.BOUNDARY
 
 
-def _fresh_leaf(leaves: set[str]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+def _fresh_leaf(leaves: set[str], made: list[torch.Tensor]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """A fresh copy of each input; those whose gradient the real call produced become leaves
+    (in ``made``), and the module gets a non-leaf copy of them, so that an in-place module
+    (``ReLU(inplace=True)``) may write into its input."""
     def fn(slot: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().clone()
-        if slot in leaves:
-            t.requires_grad_(True)
-            t._drill_leaf = True  # type: ignore[attr-defined]
-        return t
+        if slot not in leaves:
+            return t
+        t.requires_grad_(True)
+        made.append(t)
+        return t.clone()
     return fn
-
-
-def _leaves_of(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for obj in (args, kwargs):
-        for _, t in flatten(obj, "x"):
-            if getattr(t, "_drill_leaf", False):
-                found.append(t)
-    return found
 
 
 def _prepare(ref: Any, point: Point, module: nn.Module, args: tuple, kwargs: dict,

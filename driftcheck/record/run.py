@@ -52,6 +52,8 @@ class Sides:
     transfer: str = "batched"
     view_audit: bool = False
     simulate: str | None = None  # the target only: a simulated faulty backend
+    reference_env: dict[str, str] = dataclasses.field(default_factory=dict)  # the truth's too
+    target_env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def capture_args(self) -> list[str]:
         """The ``record`` options both sides share, so that their entries line up."""
@@ -95,11 +97,14 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     out = prepare_run_dir(sides.out, sides.force)
     common = sides.capture_args()
     ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
+    ref_env, tgt_env = env_args(sides.reference_env), env_args(sides.target_env)
     _record([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
-             sides.reference_dtype] + common, "reference", debug, say, progress)
+             sides.reference_dtype] + common + ref_env, "reference", debug, say, progress,
+            env=sides.reference_env)
     if sides.truth:
         _record([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
-                 "--replay", str(ref_dir)] + common, "truth (float64)", debug, say, progress)
+                 "--replay", str(ref_dir), "--no-local"] + common + ref_env, "truth (float64)", debug,
+                say, progress, env=sides.reference_env)
     tgt_args = [sides.model, "--out", str(tgt_dir), "--device", sides.target, "--dtype",
                 sides.target_dtype, "--replay", str(ref_dir)] + common
     for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
@@ -107,9 +112,9 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
                       ("--emulate", sides.emulate)):
         if val:
             tgt_args += [flag, val]
-    if sides.local:
-        tgt_args += ["--local", str(ref_dir)]
-    _record(tgt_args, "target + local replay" if sides.local else "target", debug, say, progress)
+    tgt_args += ["--local", str(ref_dir)] if sides.local else ["--no-local"]
+    _record(tgt_args + tgt_env, "target + local replay" if sides.local else "target", debug, say,
+            progress, env=sides.target_env)
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
 
 
@@ -148,15 +153,20 @@ PROGRESS_VAR = "DRIFTCHECK_PROGRESS"  # "lines": record prints PROGRESS_PREFIX i
 PROGRESS_PREFIX = "driftcheck-progress: "
 
 
+def env_args(env: dict[str, str]) -> list[str]:
+    """``--env NAME=VALUE`` for each of a side's variables (``record`` records them)."""
+    return [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
+
+
 def _record(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None,
-            progress: Any = None) -> None:
+            progress: Any = None, env: dict[str, str] | None = None) -> None:
     """Record in a fresh process: backends and precision settings cannot leak between runs. Its
     steps come back as progress lines on its stderr; the rest of stderr is its message."""
     cmd = [sys.executable, "-m", "driftcheck", "--quiet"] + (["--debug"] if debug else []) + ["record"] + args
     if say is not None:
         say(f"recording {label}: driftcheck record {' '.join(args)}")
     task = progress.add_task(f"recording {label}", total=None) if progress is not None else None
-    env = dict(os.environ, **{PROGRESS_VAR: "lines"})
+    env = dict(os.environ, **(env or {}), **{PROGRESS_VAR: "lines"})
     with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
         lines = []
         assert proc.stderr is not None

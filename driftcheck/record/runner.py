@@ -53,7 +53,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
            local: str | os.PathLike | None = None, view_audit: bool = False,
            simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
            target_hooks: Callable[[nn.Module], Any] | None = None,
-           parallel: str | None = None, start: int | None = None) -> Path:
+           parallel: str | None = None, start: int | None = None,
+           env: dict[str, str] | None = None) -> Path:
     """Record ``scenario`` into the trace directory ``out``; returns its path.
 
     Args:
@@ -80,6 +81,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             from its replay point (weights and optimizer state) and run ``steps`` steps from
             there, numbered from ``start`` (``capture_steps`` are those numbers): the first bad
             step of a long run, recorded in full.
+        env: the environment variables this side was given (``--env``): recorded as ``run.env``,
+            so every later rerun of this side (the drill-down) runs under them.
     """
     device = torch.device(device)
     tdtype = parse_dtype(dtype)
@@ -234,6 +237,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                            seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
                            replay_id=replay_id, replay_of=str(replay) if replay else None,
                            simulated_backend=simulate, start_step=start or None,
+                           env=dict(env or {}),
                            autocast=autocast, fp8=fp8,
                            local_of=str(local) if local is not None else None,
                            capture={"include": list(include or []), "exclude": list(exclude or []),
@@ -256,6 +260,23 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             extra["view_events"] = tracer.events
         writer.close(run, extra=extra)
     return Path(out)
+
+
+def default_local(replay: str | os.PathLike | None, *, mode: str, parallel: str | None,
+                  fp8: str | None, start: int | None) -> str | None:
+    """The local replay a record does by default: of the ``--replay`` trace, where it can (a
+    full-mode single-process trace of a plain record, and a run the replay supports)."""
+    if replay is None or mode != "full" or parallel or fp8 or start:
+        return None
+    try:
+        from driftcheck.store.reader import TraceReader
+
+        run = TraceReader(replay).run
+    except (DriftcheckError, OSError):
+        return None  # record() says what is wrong with the replay itself
+    if run.get("mode") != "full" or run.get("start_step") or run.get("driver"):
+        return None
+    return str(replay)
 
 
 def _check_selection(model: nn.Module, include: Iterable[str] | None, exclude: Iterable[str] | None,

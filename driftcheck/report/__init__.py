@@ -83,6 +83,7 @@ class Report:
     truth: dict[str, Any] | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
     policy: dict[str, Any] = dataclasses.field(default_factory=dict)
+    root_cause: dict[str, Any] | None = None  # the op a drill-down named (driftcheck/drill)
     schema: str = SCHEMA
 
     def __post_init__(self) -> None:
@@ -107,6 +108,7 @@ class Report:
             "target": _clean(self.target),
             "truth": _clean(self.truth),
             "first_divergence": _clean(self.first_divergence),
+            "root_cause": _clean(self.root_cause),
             "warnings": list(self.warnings),
             "policy": _clean(self.policy),
             "entries": [e.to_dict() for e in self.entries],
@@ -126,6 +128,7 @@ class Report:
             first_divergence=_unnum(d.get("first_divergence")), entries=entries, findings=findings,
             limit=float(_unnum(d.get("limit")) or 0.0), decided_by=d.get("decided_by", ""),
             truth=d.get("truth"), warnings=list(d.get("warnings", [])), policy=d.get("policy", {}),
+            root_cause=_unnum(d.get("root_cause")),
         )
 
 

@@ -225,3 +225,29 @@ def _first_clause(message: str, module: str | None) -> str:
     for sep in (": ", "; "):
         message = message.split(sep, 1)[0]
     return message.rstrip(".")
+
+
+def root_cause_lines(rc: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(label, text) rows of a drill-down's root cause, for every renderer: the op, the model-code
+    line, its ratio against its floor, its inputs, and the repro."""
+    if not rc:
+        return []
+    rows = [("op", f"{rc.get('op')} ({rc.get('phase')}) in {module_label(rc.get('module'))}, "
+                   f"step {rc.get('step')}")]
+    src = rc.get("source") or {}
+    if src:
+        rows.append(("source", f"{src.get('file')}:{src.get('line')}  {src.get('code', '')}".rstrip()))
+    site = rc.get("call_site") or {}
+    if site and (not src or "/nn/modules/" in str(src.get("file"))):
+        rows.append(("called from", f"{site.get('file')}:{site.get('line')}  {site.get('code', '')}".rstrip()))
+    rows.append(("ratio", f"{fmt(rc.get('ratio'))} x its floor (error {fmt(rc.get('error'))}, floor "
+                          f"{fmt(rc.get('floor'))}, limit {fmt(rc.get('limit'))})"))
+    ins = rc.get("inputs") or []
+    if ins:
+        rows.append(("inputs", ", ".join(f"{tuple(i.get('shape') or [])} {i.get('dtype')}" for i in ins[:6])
+                     + (f", +{len(ins) - 6} more" if len(ins) > 6 else "")))
+    for k in rc.get("known", []) or []:
+        rows.append(("known", str(k)))
+    if rc.get("repro"):
+        rows.append(("repro", f"python {rc['repro']}"))
+    return rows

@@ -31,6 +31,7 @@ from driftcheck.report.common import (
     finding_state,
     fmt,
     module_label,
+    root_cause_lines,
     worst,
 )
 from driftcheck.store.format import PHASES
@@ -80,6 +81,7 @@ def render_html(report: Report) -> str:
         "first": first,
         "first_entry": first_entry,
         "first_extra": _first_extra(first),
+        "root_cause": root_cause_lines(report.root_cause),
         "chart_points": sum(1 for e in ordered if e.ratio is not None),
         "table_json": _script_json(_table_data(ordered, limits, first_entry)),
         "map_json": _script_json(_module_map(ordered)),

@@ -9,7 +9,8 @@ import html
 import re
 
 from driftcheck.report import Report
-from driftcheck.report.common import conclusion, entry_limit, explain_kind, finding_state, fmt, module_label, worst
+from driftcheck.report.common import (conclusion, entry_limit, explain_kind, finding_state, fmt, module_label,
+                                      root_cause_lines, worst)
 
 WORST = 10
 # Values only ever appear mid-line, so line-start syntax (#, -, 1.) cannot trigger; these can.
@@ -29,6 +30,12 @@ def render_markdown(report: Report) -> str:
     lines = [f"## driftcheck: {title}" + (f" · {md(model)}" if model else ""), ""]
     lines.append(f"**{md(conclusion(report))}**")
     lines.append("")
+    rows = root_cause_lines(report.root_cause)
+    if rows:
+        lines.append("**Root cause (drill-down):**")
+        lines.append("")
+        lines += [f"- {md(label)}: {md(text)}" for label, text in rows]
+        lines.append("")
     lines.append(f"Decided by: {md(report.decided_by or 'no rule recorded')}")
     lines.append("")
     counts: dict[str, int] = {}

@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from driftcheck.report import Report
-from driftcheck.report.common import conclusion, module_label
+from driftcheck.report.common import conclusion, module_label, root_cause_lines
 
 
 def _ratio(r: float | None) -> str:
@@ -27,6 +27,11 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
                   markup=True, soft_wrap=True)
     if quiet:
         return
+    rows = root_cause_lines(report.root_cause)
+    if rows:
+        console.print("[bold red]root cause[/] (drill-down):", highlight=False)
+        for label, text in rows:
+            console.print(f"  {label:12s} {escape(text)}", highlight=False, soft_wrap=True)
     if report.decided_by:
         console.print(f"[dim]decided by: {escape(report.decided_by)}[/]", highlight=False, soft_wrap=True)
     ref, tgt = report.reference, report.target

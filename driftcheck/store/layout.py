@@ -16,8 +16,10 @@ REPORT_JSON, REPORT_HTML = "report.json", "report.html"
 # driftcheck run --long OUT: also the control, the long report and the first bad step in full
 CONTROL, LONG_REPORT_JSON, LONG_REPORT_HTML, FIRST_BAD = ("control", "long-report.json",
                                                           "long-report.html", "first-bad")
+# driftcheck run OUT/drill, driftcheck drill: the drill-down's ops and the repro
+DRILL = "drill"
 RUN_CONTENTS = frozenset({REFERENCE, TARGET, TRUTH, REPORT_JSON, REPORT_HTML, CONTROL,
-                          LONG_REPORT_JSON, LONG_REPORT_HTML, FIRST_BAD})
+                          LONG_REPORT_JSON, LONG_REPORT_HTML, FIRST_BAD, DRILL})
 
 
 def rank_dir(out: str | os.PathLike, rank: int) -> Path:
