@@ -49,6 +49,7 @@ def main() -> int:
         ["bf16"] if args.quick else ["bf16", "fp16", "tpu:default", "tpu:high", "tpu:highest"])
     print(f"{'model':16s} {'target':11s} {'seed':>4s} " + " ".join(f"{p:>9s}" for p in PHASES) + "    worst  secs")
     passed_worst, tally = 0.0, {"pass": 0, "real": 0, "false alarm": 0}
+    known: dict[str, list[str]] = {}  # known.* signatures on these clean runs, and where
     with tempfile.TemporaryDirectory() as tmp:
         for m in models:
             for seed in seeds:
@@ -67,6 +68,9 @@ def main() -> int:
                             worst[e.phase] = max(worst[e.phase], e.ratio)
                     w = max(worst.values())
                     nonfinite = [f for f in rep.findings if f.kind == "nonfinite.origin"]
+                    for f in rep.findings:
+                        if f.kind.startswith("known."):
+                            known.setdefault(f.kind, []).append(f"{m} {dt} seed {seed} {f.module}")
                     if rep.verdict == "pass":
                         flag = ""
                         passed_worst = max(passed_worst, w)
@@ -84,6 +88,8 @@ def main() -> int:
     print(f"{tally['pass']} runs passed, worst ratio among them {passed_worst:.3f} (limit "
           f"{DEFAULT_LIMIT:g}); {tally['real']} failed on a real NaN/Inf origin; "
           f"{tally['false alarm']} failed otherwise (known cases: docs/noise-floor.md)")
+    print(f"known defect signatures on these clean runs: {sum(len(v) for v in known.values())}"
+          + "".join(f"\n  {k}: {len(v)} ({'; '.join(v[:4])})" for k, v in known.items()))
     return 0
 
 

@@ -106,6 +106,8 @@ class OpFault:
         if node is None:
             return False
         seq = node._sequence_nr()
+        if self._depth > 0 and seq >= self._start:  # made inside the module's call still running
+            return True
         return any(s <= seq < e for s, e in self._spans)
 
     def _pre(self, *_: Any) -> None:

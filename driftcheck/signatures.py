@@ -10,7 +10,7 @@ judged, it adds what the defect is). Pure: reports and drill judgements in, find
 | ``scaled_mm_rowwise_scales_wrong_axis`` | a ``_scaled_mm`` over its floor whose error matches its scales applied along the other axis |
 | ``matmul_below_recorded_precision`` | a float32 matmul over its floor whose error matches one bf16 pass |
 | ``reduction_low_precision_accumulation`` | a sum/mean over its floor whose error matches a bf16 running sum |
-| ``layernorm_backward_low_precision_params`` | a LayerNorm backward whose weight/bias gradients exceed their floor while its input gradient does not |
+| ``layernorm_backward_low_precision_params`` | a LayerNorm backward whose weight/bias gradients exceed their floor while its input gradient does not; or compare's ``precision.low_precision_sum`` on a LayerNorm |
 """
 from __future__ import annotations
 
@@ -39,6 +39,16 @@ def _matches(err: float, alt: float | None, lo: float = 0.5, hi: float = 2.0) ->
 def _bn(report: Report) -> list[tuple[str, int | None, dict[str, Any]]]:
     return [(f.module, f.step, {"finding": f.kind}) for f in report.findings
             if f.kind == "batchnorm.running_stats_not_updated"]
+
+
+def _ln_sums(report: Report) -> list[tuple[str, int | None, dict[str, Any]]]:
+    """compare's ``precision.low_precision_sum`` (a bias gradient the kernel summed in low
+    precision) on a LayerNorm: the same defect, seen without a drill."""
+    types = {e.module: str(e.details.get("module_type", "")) for e in report.entries
+             if e.details.get("module_type")}
+    return [(f.module, f.step, {"finding": f.kind, "share": (f.details or {}).get("share")})
+            for f in report.findings
+            if f.kind == "precision.low_precision_sum" and "LayerNorm" in types.get(f.module, "")]
 
 
 def _scaled_mm(j: Any, limit: float) -> dict[str, Any] | None:
@@ -112,8 +122,11 @@ SIGNATURES: tuple[Signature, ...] = (
               "bf16/fp16 (PyTorch's own CPU kernel does this in bf16 today; llm.c #428/#476).",
               "Keep the norm in float32 (autocast does; or norm.float() with casts around it), "
               "or keep LayerNorm parameters and gradients in float32.",
-              op_match=_layernorm_backward),
+              report_match=_ln_sums, op_match=_layernorm_backward),
 )
+
+
+KINDS = frozenset(f"known.{sig.name}" for sig in SIGNATURES)
 
 
 def match(report: Report, drill: Any = None) -> list[Finding]:

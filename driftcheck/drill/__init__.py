@@ -95,12 +95,22 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
             report = compare(str(ref), str(target), limit=limit)
         point = point_of(report.first_divergence)
     lim = float(limit if limit is not None else (report.limit if report is not None else 3.5))
-    tgt_run = TraceReader(target).run
-    replayed = tgt_run.get("replay_of")
-    if replayed and Path(replayed).resolve() != Path(ref).resolve() and \
-            TraceReader(replayed).run.get("replay_id") != TraceReader(ref).run.get("replay_id"):
-        raise DriftcheckError(f"{target} replayed {replayed}, not {ref}: drill it against the "
-                              "reference it replayed")
+    from driftcheck.store.layout import is_multirank
+
+    if is_multirank(ref) or is_multirank(target):
+        raise DriftcheckError("drill-down reruns single-process records: a torchrun run's ranks "
+                              "cannot be rerun one module call at a time; record the model in one "
+                              "process (without --parallel) and drill that")
+    ref_run, tgt_run = TraceReader(ref).run, TraceReader(target).run
+    for label, run in (("REF", ref_run), ("TARGET", tgt_run)):
+        if run.get("driver"):
+            raise DriftcheckError(f"{label} was recorded by a training-loop callback ({run['driver']}): "
+                                  "the drill-down rebuilds a run from a driftcheck record; record the "
+                                  "model with driftcheck record (or run) and drill that")
+    _check_point(TraceReader(ref), point)
+    if tgt_run.get("replay_id") != ref_run.get("replay_id"):
+        raise DriftcheckError(f"{target} was not recorded from {ref}'s weights and inputs (another "
+                              "replay_id): drill it against the reference it replayed")
     if in_process or target_hooks is not None or scenario is not None:
         from driftcheck.drill.side import run_side
 
@@ -144,6 +154,23 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
     return result
 
 
+def _check_point(reader: Any, point: Any) -> None:
+    """A module or step the reference never recorded is refused before any side runs."""
+    import difflib
+
+    start = int(reader.run.get("start_step") or 0)
+    steps = int(reader.run.get("steps") or 0)
+    if not start <= point.step < start + steps:
+        raise DriftcheckError(f"step {point.step} is not in the recorded run (steps {start}-"
+                              f"{start + steps - 1}); choose one of them with --step")
+    modules = {e["module"] for e in reader.entries}
+    if point.module not in modules and (point.module or ".") not in modules:
+        near = difflib.get_close_matches(point.module, sorted(m for m in modules if m), n=3, cutoff=0.3)
+        raise DriftcheckError(f"the reference records no module {point.module!r}"
+                              + (f" (nearest: {', '.join(near)})" if near else "")
+                              + "; module paths are named_modules() names")
+
+
 def _in_processes(ref: Any, target: Any, point: Any) -> tuple[list, list, dict]:
     from driftcheck.drill import oplog
 
@@ -168,7 +195,8 @@ def _side_process(trace: Any, ref: Any, point: Any, out: Path, ref_ops: Path | N
                           capture_output=True, text=True)
     if proc.returncode != 0:
         msg = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise DriftcheckError(f"the {label} side of the drill failed: {msg.removeprefix('driftcheck: ')}")
+        msg = msg.removeprefix("driftcheck: ").removeprefix("drill: ")
+        raise DriftcheckError(f"the {label} side of the drill failed: {msg}")
 
 
 def side_env(run: dict[str, Any]) -> dict[str, str]:

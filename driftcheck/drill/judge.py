@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from driftcheck import dtypes
-from driftcheck.drill.oplog import OpRecord, decode_args, resolve_op
+from driftcheck.drill.oplog import OpRecord, cast_to, decode_args, resolve_op
 
 
 @dataclasses.dataclass
@@ -184,7 +184,7 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
     if truth is None:
         truth, truth_kind = [o.double() if o is not None and o.is_floating_point() else o
                              for o in (ref.outputs or [])], "reference"
-    cast = [x.to(getattr(torch, d)) if x.is_floating_point() else x for x, d in zip(ins, tgt.in_dtypes)]
+    cast = [cast_to(x, getattr(torch, d)) if x.is_floating_point() else x for x, d in zip(ins, tgt.in_dtypes)]
     ideal = _ideal(tgt, [x.clone() for x in cast], emulate, merge_spec(ref.spec, tgt.spec))
     ratios: list[float | None] = []
     best: tuple[float, float, float, float, int] | None = None  # ratio, floor, error, size, k

@@ -123,6 +123,18 @@ def decode_args(spec: Any, leaves: list[torch.Tensor], device: torch.device | st
     return tuple(dec(a) for a in spec["args"]), {k: dec(v) for k, v in spec["kwargs"].items()}
 
 
+def cast_to(x: torch.Tensor, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+    """``x`` in ``dtype`` (on ``device``), finite values saturated at the dtype's range: a float32
+    mask of ``finfo(float32).min`` is ``finfo(bfloat16).min`` in a bf16 run's own code, not the
+    ``-inf`` a plain cast makes of it."""
+    if not x.is_floating_point():
+        return x.to(device) if device is not None else x
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        big = torch.finfo(dtype).max
+        x = torch.where(torch.isfinite(x), x.clamp(-big, big), x)
+    return x.to(device=device, dtype=dtype) if device is not None else x.to(dtype)
+
+
 def resolve_op(name: str) -> Any:
     """``torch.ops.aten.gelu.default`` from ``"aten.gelu.default"``."""
     ns, packet, overload = name.split(".", 2)
@@ -237,7 +249,7 @@ class OpRecorder(TorchDispatchMode):
         if other.inputs is None or len(other.inputs) != len(leaves) or \
                 any(tuple(a.shape) != tuple(b.shape) for a, b in zip(other.inputs, leaves)):
             return None
-        mine = [o.to(device=t.device, dtype=t.dtype) if t.is_floating_point() else o.to(t.device)
+        mine = [cast_to(o, t.dtype, t.device) if t.is_floating_point() else o.to(t.device)
                 for o, t in zip(other.inputs, leaves)]
         a, k = decode_args(spec, [m.clone() for m in mine], device=leaves[0].device if leaves else None)
         try:

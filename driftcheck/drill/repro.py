@@ -88,7 +88,11 @@ def run(device, f64):
     for i, dt in enumerate(IN_DTYPES):
         t = ins[str(i)]
         if t.is_floating_point():
-            t = t.to(torch.float64 if f64 else getattr(torch, dt))
+            low = getattr(torch, dt)
+            if not f64 and low.is_floating_point and torch.finfo(low).max < torch.finfo(t.dtype).max:
+                big = torch.finfo(low).max  # saturate, as the target's own code would have it
+                t = torch.where(torch.isfinite(t), t.clamp(-big, big), t)
+            t = t.to(torch.float64 if f64 else low)
         leaves.append(t.to(device))
     ns, packet, overload = OP.split(".", 2)
     fn = getattr(getattr(getattr(torch.ops, ns), packet), overload)

@@ -195,7 +195,7 @@ def _prepare(ref: Any, point: Point, module: nn.Module, args: tuple, kwargs: dic
             return t.detach()
         if t.requires_grad and t.is_floating_point():
             leaves.add(slot)
-        return r.to(device=t.device, dtype=t.dtype) if t.is_floating_point() else r.to(t.device)
+        return oplog.cast_to(r, t.dtype, t.device) if t.is_floating_point() else r.to(t.device)
 
     r_args = substitute(args, "input", ref_input)
     r_kwargs = substitute(kwargs, "input", ref_input)
@@ -254,8 +254,10 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     from driftcheck.store import TraceReader
     from driftcheck.store.replay import decode_batch, read_replay
 
+    from driftcheck import devices
+
     run = TraceReader(trace).run
-    device = torch.device(run.get("device", "cpu"))
+    device = devices.open_device(str(run.get("device", "cpu")))
     dtype = parse_dtype(run.get("dtype", "float32"))
     if scenario is None:
         scenario = load_scenario(run.get("model_id") or run.get("scenario"), int(run.get("seed") or 0))
@@ -275,6 +277,11 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     model.to(device=device)
     if dtype != torch.float32:
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    fp8_handle = None
+    if run.get("fp8"):
+        from driftcheck import fp8 as fp8_mod
+
+        fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(run["fp8"]))
     dropout = DropoutControl(seed)
     hook = DrillHook(point, ref, keep=keep, ref_ops=ref_ops, dropout=dropout, inner=target_hooks)
     hook(model)
@@ -299,6 +306,8 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     finally:
         if hasattr(hook.inner_hook, "remove"):
             hook.inner_hook.remove()
+        if fp8_handle is not None:
+            fp8_handle.remove()
     raise DriftcheckError(f"drill: {point.module or 'the model'} ran {hook.calls} time(s) at step "
                           f"{point.step}, so it has no call {point.call}")
 

@@ -62,6 +62,13 @@ KIND_HELP: dict[str, tuple[str, str, str]] = {
         "Check that both runs used the same model, config, inputs and steps; look for data-dependent "
         "control flow or device-specific branches in this module.",
     ),
+    "known": (
+        "A known backend defect",
+        "The evidence matches a defect backends have shipped (driftcheck/signatures.py): the message "
+        "names it and says why it matches.",
+        "Apply the workaround the message gives, and attach the drill-down's repro (drill/repro/) to a bug "
+        "report against the backend.",
+    ),
 }
 
 

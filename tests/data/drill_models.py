@@ -78,3 +78,30 @@ def layernorm_rows(seed=0):
     torch.manual_seed(seed)
     return Scenario(model=Norm(), inputs=[torch.randn(8192, 32)], loss=_mse,
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.01), steps=1)
+
+
+class Scores(nn.Module):
+    def forward(self, x, mask):
+        return torch.softmax(x @ x.transpose(-1, -2) + mask, dim=-1) @ x
+
+
+class Masked(nn.Module):
+    """A causal mask of finfo(dtype).min built in the run's own dtype, passed to a submodule (as
+    Hugging Face attention does): cast from float32, it would be -inf in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.scores = Scores()
+
+    def forward(self, x):
+        h = self.proj(x)
+        n = h.shape[-2]
+        mask = torch.full((n, n), torch.finfo(h.dtype).min, dtype=h.dtype).triu(1)
+        return self.scores(h, mask)
+
+
+def masked(seed=0):
+    torch.manual_seed(seed)
+    return Scenario(model=Masked(), inputs=[torch.randn(2, 8, 16), torch.randn(2, 8, 16)], loss=_mse,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=2)

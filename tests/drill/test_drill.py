@@ -249,7 +249,7 @@ def test_drill_command_on_a_forced_module_and_bad_input(tmp_path, capsys):
     code, _, err = run_cli(["drill", ref, tgt], capsys)
     assert_one_line_error(code, err, "does not diverge")
     code, _, err = run_cli(["drill", ref, tgt, "--module", "nowhere", "--step", "0"], capsys)
-    assert_one_line_error(code, err, "no module 'nowhere'")
+    assert_one_line_error(code, err, "no module 'nowhere'")  # before any side runs
     code, _, err = run_cli(["drill", ref, tgt, "--module", "fc2", "--step", "9"], capsys)
     assert_one_line_error(code, err, "step 9")
     stats = record_builtin("mlp", tmp_path / "stats", mode="stats")
@@ -300,3 +300,25 @@ def test_floor_keeps_the_references_scalars_and_the_targets_dtypes():
     assert merge_spec(ref, tgt) == {"args": [{"T": 0}, {"F": "1.0"}], "kwargs": {"dtype": {"dtype": "bfloat16"}}}
     other = {"args": [{"T": 0}], "kwargs": {}}  # another overload's arguments: the target's
     assert merge_spec(ref, other) == other
+
+
+def test_every_signature_is_a_known_finding_kind():
+    from driftcheck.signatures import KINDS
+    from driftcheck.store.format import FINDING_KINDS
+
+    assert KINDS == {k for k in FINDING_KINDS if k.startswith("known.")}
+
+
+def test_a_dtype_min_mask_is_saturated_not_turned_into_inf(tmp_path):
+    import torch
+
+    from driftcheck.drill.oplog import cast_to
+
+    m = torch.tensor([torch.finfo(torch.float32).min, 1.0, float("-inf")])
+    assert cast_to(m, torch.bfloat16).tolist() == [torch.finfo(torch.bfloat16).min, 1.0, float("-inf")]
+    spec = f"{DATA / 'drill_models.py'}:masked"
+    ref = record(load_scenario(spec), tmp_path / "ref", force=True, model_id=spec)
+    tgt = record(load_scenario(spec), tmp_path / "tgt", dtype="bf16", force=True, replay=ref, model_id=spec)
+    res = drill(ref, tgt, point=Point("scores", 1, 0, "backward"), scenario=lambda: load_scenario(spec))
+    assert res.root_cause is None, max((j.ratio, j.op) for j in res.judged)
+    assert any(j.op == "aten.add.Tensor" for j in res.judged)
