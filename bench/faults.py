@@ -75,6 +75,7 @@ class Case:
     origin: dict[str, Any] | None = None
     decided_by: dict[str, int] = field(default_factory=dict)
     worst: float = 0.0  # the largest entry ratio (propagated or local): margin of the controls
+    known: list[str] = field(default_factory=list)  # known.* signatures the compare matched
     seconds: float = 0.0
 
 
@@ -131,6 +132,7 @@ class Bench:
         rep = self._compare(case.model, out)
         case.seconds = time.perf_counter() - t0
         case.verdict = rep.verdict
+        case.known = sorted({f.kind for f in rep.findings if f.kind.startswith("known.")})
         case.detected = not rep
         fd = rep.first_divergence
         case.first = fd and {k: fd.get(k) for k in ("module", "blame_module", "phase", "step", "slot",
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                       limit=args.limit, capture=args.capture)
     print()
     print(summarize(results))
+    known = [f"{c.model} {c.name}: {', '.join(c.known)}" for c in results if c.known]
+    print(f"\nknown defect signatures matched: {len(known)}" + "".join(f"\n  {k}" for k in known))
     print(f"\n{len(results)} cases, {time.perf_counter() - t0:.0f} s total, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.json:

@@ -10,7 +10,7 @@ judged, it adds what the defect is). Pure: reports and drill judgements in, find
 | ``scaled_mm_rowwise_scales_wrong_axis`` | a ``_scaled_mm`` over its floor whose error matches its scales applied along the other axis |
 | ``matmul_below_recorded_precision`` | a float32 matmul over its floor whose error matches one bf16 pass |
 | ``reduction_low_precision_accumulation`` | a sum/mean over its floor whose error matches a bf16 running sum |
-| ``layernorm_backward_low_precision_params`` | a LayerNorm backward whose weight/bias gradients exceed their floor while its input gradient does not; or compare's ``precision.low_precision_sum`` on a LayerNorm |
+| ``layernorm_backward_low_precision_params`` | a LayerNorm backward whose weight/bias gradients exceed their floor while its input gradient does not; or compare's ``precision.low_precision_sum`` on a LayerNorm losing at least 5% |
 """
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def _bn(report: Report) -> list[tuple[str, int | None, dict[str, Any]]]:
             if f.kind == "batchnorm.running_stats_not_updated"]
 
 
+# compare's share of a bias gradient lost to a low-precision sum, above which a LayerNorm's is
+# the defect itself: a correct bf16 kernel (fp32 accumulation) loses 0.2%; PyTorch's CPU kernel
+# loses 1% over the built-in ViT's 136 rows (within the worst case: not named) and 5-70% over
+# ConvNeXt's 56x56 positions.
+LN_SHARE = 0.05
+
+
 def _ln_sums(report: Report) -> list[tuple[str, int | None, dict[str, Any]]]:
     """compare's ``precision.low_precision_sum`` (a bias gradient the kernel summed in low
     precision) on a LayerNorm: the same defect, seen without a drill."""
@@ -48,7 +55,8 @@ def _ln_sums(report: Report) -> list[tuple[str, int | None, dict[str, Any]]]:
              if e.details.get("module_type")}
     return [(f.module, f.step, {"finding": f.kind, "share": (f.details or {}).get("share")})
             for f in report.findings
-            if f.kind == "precision.low_precision_sum" and "LayerNorm" in types.get(f.module, "")]
+            if f.kind == "precision.low_precision_sum" and "LayerNorm" in types.get(f.module, "")
+            and float((f.details or {}).get("share") or 0.0) >= LN_SHARE]
 
 
 def _scaled_mm(j: Any, limit: float) -> dict[str, Any] | None:

@@ -122,6 +122,9 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
             from driftcheck.cli.drill import drill_after_run
 
             drill_after_run(obj, report, ref_dir, tgt_dir, out_dir, limit, p)
+        elif drill and not report and not obj.quiet:
+            p.console.print(f"drill-down: not run (--mode {mode} keeps no full tensors to rerun the "
+                            "module from; rerun with --mode full)", markup=False, highlight=False)
     if not obj.quiet:
         click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
     _finish(obj, report, top, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,

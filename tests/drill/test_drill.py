@@ -199,12 +199,23 @@ def test_layernorm_backward_bf16_signature_on_pytorchs_own_cpu_kernel(tmp_path):
     for dtype in ("fp32", "bf16"):
         tgt = record(load_scenario(spec), tmp_path / dtype, dtype=dtype, force=True, replay=ref, model_id=spec)
         rep = compare(ref, tgt)
+        seen_by_compare = {f.kind for f in rep.findings if f.kind.startswith("known.")}
         res = drill(ref, tgt, point=Point("norm", 0, 0, "backward"), report=rep,
                     scenario=lambda: load_scenario(spec))
         got[dtype] = (res.root_cause and res.root_cause["op"], _known(rep, res))
+        # compare alone sees it too: its precision.low_precision_sum on the LayerNorm loses 26%
+        assert seen_by_compare == (got[dtype][1] if dtype == "bf16" else set())
     assert got["fp32"] == (None, set())
     assert got["bf16"] == ("aten.native_layer_norm_backward.default",
                            {"known.layernorm_backward_low_precision_params"})
+
+
+def test_a_small_low_precision_loss_is_not_named(traces):
+    # the built-in ViT's LayerNorms lose ~1% of their bias gradients in bf16 on CPU (136 rows):
+    # within the worst case of a bf16 sum, reported as precision.low_precision_sum only
+    kinds = {f.kind for f in compare(traces["vit"]["fp32"], traces["vit"]["bf16"]).findings}
+    assert "precision.low_precision_sum" in kinds
+    assert not any(k.startswith("known.") for k in kinds)
 
 
 def test_batchnorm_signature_from_the_compare(tmp_path):
