@@ -38,9 +38,12 @@ MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_
           "_scaled_dot_product_attention_math", "linear", "matmul"}
 
 
-def _modules(spec: str) -> list[str]:
+def _modules(spec: str, ref: Path) -> list[str]:
+    from driftcheck.store import TraceReader
+
     model = load_scenario(spec).model
-    names = [(n, m) for n, m in model.named_modules() if n]
+    called = {e["module"] for e in TraceReader(ref).entries if e["phase"] == "backward"}
+    names = [(n, m) for n, m in model.named_modules() if n and n in called]  # containers never run
     composites = [n for n, m in names if any(True for _ in m.children()) and any(True for _ in m.parameters())]
     leaves = [n for n, m in names if not any(True for _ in m.children()) and any(True for _ in m.parameters())]
     out = []
@@ -59,7 +62,7 @@ def one(name: str, work: Path) -> dict:
     try:
         ref = record(sc(), work / f"{name}-ref", force=True, model_id=spec)
         tgt = record(sc(), work / f"{name}-bf16", dtype="bf16", force=True, replay=ref, model_id=spec)
-        for m in _modules(spec):
+        for m in _modules(spec, ref):
             try:
                 res = drill(ref, tgt, point=Point(m, 1, 0, "backward"), scenario=sc)
             except Exception as e:  # noqa: BLE001 - the bench reports every failure

@@ -211,8 +211,9 @@ def _prepare(ref: Any, point: Point, module: nn.Module, args: tuple, kwargs: dic
         rp = ref.tensor(point.step, "params", owner, 0, f"param.{local}")
         if rp is None or tuple(rp.shape) != tuple(p.shape):
             rp, own = p.detach(), own + 1
-        params[name] = rp.detach().to(device=p.device, dtype=p.dtype).requires_grad_(
-            point.phase == "backward" and p.requires_grad)
+        # requires_grad as in the real call, for a forward drill too: kernels are chosen by it
+        # (SDPA takes its math path for a mask that requires grad, a fused kernel otherwise)
+        params[name] = rp.detach().to(device=p.device, dtype=p.dtype).requires_grad_(p.requires_grad)
     buffers = {n: b.detach() for n, b in module.named_buffers()}
     grads: dict[str, torch.Tensor] = {}
     if point.phase == "backward":

@@ -105,3 +105,34 @@ def masked(seed=0):
     torch.manual_seed(seed)
     return Scenario(model=Masked(), inputs=[torch.randn(2, 8, 16), torch.randn(2, 8, 16)], loss=_mse,
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=2)
+
+
+class BiasedAttention(nn.Module):
+    """SDPA with a learned additive bias (relative positions, as timm's CoAtNet): a mask that
+    requires grad sends CPU SDPA down its math path (bmm), a plain one to a fused kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 1, 1, 16))  # q, k, v without a matmul of their own
+        self.bias = nn.Parameter(torch.randn(1, 4, 8, 8) * 0.1)
+
+    def forward(self, x):
+        q, k, v = (x * self.w).view(3, 2, 8, 4, 4).transpose(2, 3).unbind(0)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return y.transpose(1, 2).reshape(2, 8, 16)
+
+
+class BiasedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = BiasedAttention()
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.attn(x))
+
+
+def biased_attention(seed=0):
+    torch.manual_seed(seed)
+    return Scenario(model=BiasedModel(), inputs=[torch.randn(2, 8, 16)], loss=_mse,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=1)

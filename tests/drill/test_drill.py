@@ -333,3 +333,27 @@ def test_a_dtype_min_mask_is_saturated_not_turned_into_inf(tmp_path):
     res = drill(ref, tgt, point=Point("scores", 1, 0, "backward"), scenario=lambda: load_scenario(spec))
     assert res.root_cause is None, max((j.ratio, j.op) for j in res.judged)
     assert any(j.op == "aten.add.Tensor" for j in res.judged)
+
+
+def test_a_forward_drill_runs_the_kernels_the_real_call_ran(tmp_path):
+    # found on timm's CoAtNet: parameters that did not require grad in a forward drill sent SDPA
+    # to a fused kernel, where the real call (a learned mask requiring grad) took the math path
+    # whose bmm the backend got wrong: the drill saw no faulty op at all
+    spec = f"{DATA / 'drill_models.py'}:biased_attention"
+    ref = record(load_scenario(spec), tmp_path / "ref", force=True, model_id=spec)
+    f = opfaults.matmul_bf16_inputs("attn")
+    try:
+        tgt = record(load_scenario(spec), tmp_path / "tgt", force=True, replay=ref, target_hooks=f,
+                     model_id=spec)
+    finally:
+        f.remove()
+    rep = compare(ref, tgt)
+    assert rep.verdict == "fail"
+    f = opfaults.matmul_bf16_inputs("attn")
+    try:
+        res = drill(ref, tgt, point=Point("attn", 0, 0, "forward"), report=rep, target_hooks=f,
+                    scenario=lambda: load_scenario(spec))
+    finally:
+        f.remove()
+    assert res.root_cause is not None and res.root_cause["op"] == "aten.bmm.default", \
+        [(j.op, j.ratio) for j in res.judged]
