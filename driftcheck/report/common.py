@@ -7,6 +7,7 @@ finding kind means and what to do about it.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from driftcheck.report import Entry, Finding, as_float, worst
@@ -177,7 +178,22 @@ def entry_words(module: str | None, phase: str, slot: str) -> str:
 
 def conclusion(report: Any) -> str:
     """The report's conclusion in one sentence, in the user's words: what diverged, by how much
-    against what precision explains, and whether that is a defect or the price of precision."""
+    against what precision explains, and whether that is a defect or the price of precision;
+    with a drill-down's root cause, a second sentence naming the op and its line."""
+    text = _conclusion(report)
+    rc = getattr(report, "root_cause", None)
+    if rc and rc.get("op"):
+        src = rc.get("source") or {}
+        if "/nn/modules/" in str(src.get("file")) and rc.get("call_site"):
+            src = rc["call_site"]
+        where = f" ({os.path.basename(str(src['file']))}:{src.get('line')})" if src.get("file") else ""
+        op = str(rc["op"]).removeprefix("aten.").removesuffix(".default")
+        text += (f" Root cause: {op} in {module_label(rc.get('module'))}{where}, "
+                 f"{fmt(as_float(rc.get('ratio')))}x its own floor.")
+    return text
+
+
+def _conclusion(report: Any) -> str:
     entries = report.entries
     judged = [e for e in entries if e.ratio is not None and e.status != "ignored"]
     pair = precision_pair(report)
