@@ -149,7 +149,9 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
                                first, ref_run=TraceReader(ref).run, tgt_run=tgt_run, limit=lim)
             result.repro = str(path)
             root["repro"] = str(path)
-        (out / "drill.json").write_text(json.dumps(_finite(result.to_dict()), indent=1),
+        from driftcheck.report import _clean  # the reports' JSON spelling of inf/nan
+
+        (out / "drill.json").write_text(json.dumps(_clean(result.to_dict()), indent=1),
                                         encoding="utf-8")
     return result
 
@@ -208,15 +210,3 @@ def side_env(run: dict[str, Any]) -> dict[str, str]:
             not in (run.get("env") or {}):
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     return env
-
-
-def _finite(x: Any) -> Any:
-    import math
-
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x

@@ -35,6 +35,7 @@ from driftcheck.drill import oplog
 from driftcheck.drill.align import align
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
+from driftcheck.record.local import _fork_rng, _rng_state, _set_rng_state
 
 
 @dataclass
@@ -89,8 +90,7 @@ class DrillHook:
     def _pre(self, module: nn.Module, args: tuple) -> None:
         if self._here() and self._mark is None:
             dev = next((t.device for t in module.parameters()), torch.device("cpu"))
-            self._mark = (torch.random.get_rng_state(), _device_rng(dev),
-                          self.dropout.index if self.dropout is not None else None)
+            self._mark = (_rng_state(dev), self.dropout.index if self.dropout is not None else None)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._here():
@@ -120,14 +120,10 @@ class DrillHook:
 
     def _pass(self, module: nn.Module, prep: dict[str, Any], rec: oplog.OpRecorder
               ) -> list[oplog.OpRecord]:
-        cpu_state, dev_state, mask_index = self._mark
+        rng, mask_index = self._mark
         dev = next((t.device for t in module.parameters()), torch.device("cpu"))
-        fork = torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev.index or 0],
-                                     device_type=dev.type if dev.type != "cpu" else "cuda")
-        with fork:
-            torch.random.set_rng_state(cpu_state)
-            if dev_state is not None:
-                dev_state[0].set_rng_state(dev_state[1])
+        with _fork_rng(dev):
+            _set_rng_state(rng)
             if mask_index is not None:
                 saved = (self.dropout.index, len(self.dropout.masks))
                 self.dropout.index = mask_index
@@ -230,16 +226,6 @@ def _prepare(ref: Any, point: Point, module: nn.Module, args: tuple, kwargs: dic
                        for s, t in list(flatten(r_args, "input")) + list(flatten(r_kwargs, "input"))]}
     return {"args": r_args, "kwargs": r_kwargs, "leaves": leaves, "params": params,
             "buffers": buffers, "grads": grads, "info": info}
-
-
-def _device_rng(dev: torch.device) -> Any:
-    if dev.type == "cpu":
-        return None
-    try:
-        mod = getattr(torch, dev.type)
-        return (mod, mod.get_rng_state(dev.index or 0))
-    except (AttributeError, RuntimeError, TypeError):
-        return None
 
 
 def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, keep: bool,
