@@ -12,7 +12,7 @@ from torch import nn
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
 from driftcheck.record.autograd import whole_base_node
-from driftcheck.record.meta import (backward_meta, floating, is_leaf, kink_profile,
+from driftcheck.record.meta import (backward_meta, call_k, floating, is_leaf, kink_profile,
                                     magnitude_sq, norm_gain_sq, piecewise, static_meta, tie_profile)
 
 
@@ -83,6 +83,9 @@ class ForwardHooks:
                 static = self._static[name] = static_meta(module)
             ctx: dict[str, Any] = {"parent": f"{parent[0]}#{parent[1]}" if parent else None}
             ctx.update(static)
+            k = call_k(static, args)
+            if k is not None:
+                ctx.update(k=k, k_grad=k)
             kind = static["kind"]
             outputs = list(flatten(output, "output"))
             dev_meta = None

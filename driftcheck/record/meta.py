@@ -120,9 +120,25 @@ def static_meta(m: nn.Module) -> dict[str, Any]:
     if kind == "batchnorm":
         # a running mean sums momentum x the batch mean: its rounding scales with what it sums
         meta["momentum"] = m.momentum if m.momentum is not None else 1.0
+    if type(m).__name__ == "_WeightNorm" and isinstance(getattr(m, "dim", None), int):
+        meta["weight_norm_dim"] = m.dim  # torch.nn.utils.parametrizations.weight_norm
     if is_leaf(m):
         meta.update(piecewise(m))
     return meta
+
+
+def call_k(static: dict[str, Any], args: tuple) -> int | None:
+    """The reduction length of a call whose length depends on its inputs' shapes, else None.
+    A weight norm ``g * v / ||v||`` sums v's squares over every dim but ``dim`` (all of them
+    for dim -1); its gradients sum over the same elements (``<v/||v||, dW>``), so the one
+    length is the forward's and the input gradients'."""
+    dim = static.get("weight_norm_dim")
+    if dim is None or len(args) < 2 or not isinstance(args[1], torch.Tensor) or args[1].dim() == 0:
+        return None
+    v = args[1]
+    if dim == -1:
+        return v.numel()
+    return v.numel() // max(int(v.shape[dim]), 1)
 
 
 def backward_meta(ctx: dict[str, Any]) -> dict[str, Any]:

@@ -770,3 +770,35 @@ def test_local_replay_of_an_output_computed_from_another_pass(tmp_path):
                and e.slot == "grad_input.0" and e.step == 0)
     assert gin.local_ratio is not None and gin.local_ratio < 1.0, gin.local_ratio
     assert rep.verdict == "pass", _worst(rep)
+
+
+# -- a weight norm sums over the whole kernel: its reduction length is the call's ---------------------
+
+class _WeightNormConv(nn.Module):
+    """A wav2vec2-style positional convolution: weight norm over dim 2 (every element but the
+    kernel tap sums into each norm), as torch.nn.utils.parametrizations.weight_norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = nn.Conv1d(64, 64, 16, padding=8, groups=4)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return x + self.act(self.conv(x)[..., :-1])
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_weight_norm_has_its_reduction_length(tmp_path, fault):
+    make = lambda: _scenario(_WeightNormConv, (2, 64, 48))  # noqa: E731
+    wn = "conv.parametrizations.weight.0"
+    rep = _pair(tmp_path, make, threads=(1, 2), local=True,
+                hooks=scale_output(wn, 1.0 + 1e-4) if fault else None)
+    k = {e.key: e.details["floor"]["k"] for e in rep.entries
+         if e.module == wn and e.details.get("floor") and e.slot == "grad_input.0"}
+    assert k and all(v == 64 * 16 for v in k.values()), k
+    if fault:  # 1e-4 is ~1700 fp32 roundoffs: still far above a 1024-term sum's noise
+        assert rep.verdict == "fail" and wn in (rep.first_divergence["module"],
+                                                rep.first_divergence.get("blame_module")), rep.first_divergence
+    else:
+        assert rep.verdict == "pass", _worst(rep)
