@@ -10,6 +10,7 @@ from typing import Any
 from driftcheck import dtypes
 from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE, WRONG, Propagated
 from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding
 
@@ -17,6 +18,14 @@ C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding m
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq")  # optimizer state of g^2
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
+REL_LINEAR_CAP = 1e12  # a linear map passes on any relative error (finite: the floor stays a number)
+
+
+def _linear_rel(err: float, scale: float) -> float:
+    """err/scale, uncapped below REL_LINEAR_CAP: 0 for no error, the cap over a zero scale."""
+    if err == 0.0 or math.isnan(err):
+        return 0.0
+    return min(err / scale, REL_LINEAR_CAP) if scale > 0 else REL_LINEAR_CAP
 
 
 
@@ -96,11 +105,21 @@ class Judging:
             # A gradient of the same shape that reached this one (through a residual add, or
             # as the very tensor a child's input gradient is) brings its absolute error: where
             # that tensor cancelled (a BatchNorm over two values), its relative error says less.
+            # Not capped: it is the same tensor (or a term of it), its error is this one's.
             for d, x in zip(deps, inh):
                 if d.phase == "backward" and list(d.shape) == list(r.shape):
-                    inh_rms = max(inh_rms, min(x.rms / ref_rms, fl.REL_CAP))
+                    inh_rms = max(inh_rms, min(x.rms / ref_rms, REL_LINEAR_CAP))
                     if ref_max > 0:
-                        inh_max = max(inh_max, min(x.max / ref_max, fl.REL_CAP))
+                        inh_max = max(inh_max, min(x.max / ref_max, REL_LINEAR_CAP))
+        if r.phase == "grads" or (r.phase == "backward" and r.slot.startswith("grad_input")):
+            # A gradient is linear in the output gradient it is computed from (J^T g): that
+            # gradient's error relative to its own scale passes on uncapped, where a BatchNorm
+            # over two values made it pure noise many times its reference's size (timm_rexnet).
+            for d, x in zip(deps, inh):
+                own = d.step == r.step and d.module == r.module and (r.phase == "grads" or d.call == r.call)
+                if own and d.phase == "backward" and d.slot.startswith("grad_output"):
+                    inh_rms = max(inh_rms, _linear_rel(x.rms, x.mu * rms_of(d.stats)))
+                    inh_max = max(inh_max, _linear_rel(x.max, x.mu * (d.stats.get("absmax") or 0.0)))
         if r.phase == "optimizer" and r.slot.endswith(SQUARED_STATE):
             # a second moment squares the gradient: twice its relative error, before KAPPA
             inh_rms, inh_max = 2.0 * inh_rms, 2.0 * inh_max
@@ -133,7 +152,7 @@ class Judging:
             g = self.ref_index.by_align.get((r.step, "grads", r.module, 0, r.slot))
             if g is not None:
                 err_g = self.errors.get(g.align, NONE)
-                rel_g = err_g.rel_rms * err_g.mu  # error / the gradient's own rms
+                rel_g = _linear_rel(err_g.rms, rms_of(g.stats))  # error / the gradient's own rms
                 if rel_g > NOISE_GRAD:
                     # The gradient is below its own rounding noise (terms that cancel): an
                     # adaptive optimizer turns that noise into full-size steps on both runs.

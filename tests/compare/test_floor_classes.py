@@ -802,3 +802,39 @@ def test_weight_norm_has_its_reduction_length(tmp_path, fault):
                                                 rep.first_divergence.get("blame_module")), rep.first_divergence
     else:
         assert rep.verdict == "pass", _worst(rep)
+
+
+# -- a BatchNorm over two values: everything before it gets pure-noise gradients ------------------
+
+class _SqueezeExcite(nn.Module):
+    """ReXNet's squeeze-excite: global pool, a 1x1 conv with bias, a BatchNorm over the batch's
+    two values per channel, a gate. The norm's input gradient is exactly zero in exact
+    arithmetic, so the gradients before it (the conv's, its bias's Adam steps) are noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.fc1 = nn.Conv2d(16, 8, 1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc2 = nn.Conv2d(8, 16, 1)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        # + 2: each channel's two values sit close to their mean (the norm divides by little)
+        s = self.fc2(F.relu(self.bn(self.fc1(h.mean((2, 3), keepdim=True)) + 2.0)))
+        return self.head((h * s.sigmoid()).mean((2, 3)))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_gradients_before_a_norm_over_two_values(tmp_path, fault):
+    make = lambda: _scenario(_SqueezeExcite, (2, 3, 8, 8))  # noqa: E731
+    if fault:  # the conv after the pool, 5% off, fp32: still caught there
+        rep = _pair(tmp_path, make, dtype="fp32", local=False, hooks=scale_output("fc2", 1.05))
+        assert rep.verdict == "fail" and rep.first_divergence["module"] == "fc2", rep.first_divergence
+        return
+    rep = _pair(tmp_path, make, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    fc1 = [e for e in rep.entries if e.module == "fc1" and e.phase in ("grads", "backward")]
+    # the reference's gradients there are rounding noise: the target's are many times their size
+    assert max(e.metrics["rms"] / max(e.metrics["ref_rms"], 1e-30) for e in fc1) > 3
