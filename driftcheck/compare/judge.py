@@ -21,6 +21,13 @@ NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is roundin
 REL_LINEAR_CAP = 1e12  # a linear map passes on any relative error (finite: the floor stays a number)
 
 
+def _same_values(a: Any, b: Any) -> bool:
+    """Shapes of the same tensor up to a flatten of its leading dims (a BatchNorm1d over the
+    tokens of a (batch, tokens, channels) stream sees (batch * tokens, channels))."""
+    a, b = list(a), list(b)
+    return a == b or (bool(a) and bool(b) and a[-1] == b[-1] and math.prod(a) == math.prod(b))
+
+
 def _linear_rel(err: float, scale: float) -> float:
     """err/scale, uncapped below REL_LINEAR_CAP: 0 for no error, the cap over a zero scale."""
     if err == 0.0 or math.isnan(err):
@@ -101,23 +108,26 @@ class Judging:
             # input's value, not to the operand magnitude it came with (mu > 1 where it cancelled).
             inh_rms = max(inh_rms, max((min(x.rel_rms * x.mu, fl.REL_CAP) for x in inh), default=0.0))
             inh_max = max(inh_max, max((min(x.rel_max * x.mu, fl.REL_CAP) for x in inh), default=0.0))
-        if r.phase == "backward" and r.slot.startswith("grad_output") and ref_rms > 0:
+        composite_in = r.phase == "backward" and r.slot.startswith("grad_input") \
+            and meta.get("kind") == "composite"
+        if r.phase == "backward" and (r.slot.startswith("grad_output") or composite_in) and ref_rms > 0:
             # A gradient of the same shape that reached this one (through a residual add, or
-            # as the very tensor a child's input gradient is) brings its absolute error: where
-            # that tensor cancelled (a BatchNorm over two values), its relative error says less.
+            # as the very tensor a child's input gradient is: a composite's input gradient is
+            # its first child's) brings its absolute error: where that tensor cancelled (a
+            # BatchNorm over two values), its relative error says less.
             # Not capped: it is the same tensor (or a term of it), its error is this one's.
             for d, x in zip(deps, inh):
-                if d.phase == "backward" and list(d.shape) == list(r.shape):
+                if d.phase == "backward" and _same_values(d.shape, r.shape) and (
+                        not composite_in or (d.module != r.module and d.slot.startswith("grad_input"))):
                     inh_rms = max(inh_rms, min(x.rms / ref_rms, REL_LINEAR_CAP))
                     if ref_max > 0:
                         inh_max = max(inh_max, min(x.max / ref_max, REL_LINEAR_CAP))
-        if r.phase == "grads" or (r.phase == "backward" and r.slot.startswith("grad_input")):
-            # A gradient is linear in the output gradient it is computed from (J^T g): that
-            # gradient's error relative to its own scale passes on uncapped, where a BatchNorm
-            # over two values made it pure noise many times its reference's size (timm_rexnet).
+        if r.phase in ("grads", "backward"):
+            # A gradient is linear in the gradients it is computed from (J^T g): their error
+            # relative to their own scale passes on uncapped, where a BatchNorm over two values
+            # made one pure noise many times its reference's size (timm_rexnet, timm_levit).
             for d, x in zip(deps, inh):
-                own = d.step == r.step and d.module == r.module and (r.phase == "grads" or d.call == r.call)
-                if own and d.phase == "backward" and d.slot.startswith("grad_output"):
+                if d.phase == "backward":
                     inh_rms = max(inh_rms, _linear_rel(x.rms, x.mu * rms_of(d.stats)))
                     inh_max = max(inh_max, _linear_rel(x.max, x.mu * (d.stats.get("absmax") or 0.0)))
         if r.phase == "optimizer" and r.slot.endswith(SQUARED_STATE):

@@ -365,11 +365,13 @@ def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         ms = xf.pow(2).mean(dim=dims)
         var = xf.var(dim=dims, unbiased=False)
         g = (ms / (var + eps)).clamp(min=1.0).reshape(-1)
-        worst = g.max()
-        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
-            # Per-token and per-sample groups share one stream, which mixes them (attention):
-            # a group far smaller than the rest (a token of small activations) can carry an
-            # error of the stream's size, amplified by the stream's rms over its own std. That
-            # bounds the worst element; the rms gain stays each group's own.
-            worst = torch.maximum(worst, (xf.pow(2).mean() / (var + eps)).max())
+        # Groups computed from one stream (a Linear's output channels, attention's tokens) can
+        # carry an error of the stream's size: a group far smaller than the rest (a channel of
+        # a BatchNorm over two values, +-0.002 in a stream of rms 0.6; a token of small
+        # activations) is amplified by the stream's rms over its own std. That bounds the
+        # worst element; for a BatchNorm, whose channels are averaged over, the rms gain too.
+        stream = xf.pow(2).mean() / (var + eps)
+        worst = torch.maximum(g.max(), stream.max())
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return torch.stack([torch.maximum(g, stream).mean(), worst])
         return torch.stack([g.mean(), worst])  # the rms gain^2 and the worst group's

@@ -838,3 +838,54 @@ def test_gradients_before_a_norm_over_two_values(tmp_path, fault):
     fc1 = [e for e in rep.entries if e.module == "fc1" and e.phase in ("grads", "backward")]
     # the reference's gradients there are rounding noise: the target's are many times their size
     assert max(e.metrics["rms"] / max(e.metrics["ref_rms"], 1e-30) for e in fc1) > 3
+
+
+# -- LeViT: Linear + BatchNorm1d over batch x tokens = 2 values per channel --------------------
+
+class _LinearNorm(nn.Module):
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(i, o, bias=False)
+        self.bn = nn.BatchNorm1d(o)
+
+    def forward(self, x):
+        return self.bn(self.linear(x).flatten(0, 1)).reshape(*x.shape[:2], -1)
+
+
+class _NormLinear(nn.Module):
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(i)
+        self.linear = nn.Linear(i, o)
+
+    def forward(self, x):
+        return self.linear(self.bn(x))
+
+
+class _LeVitLike(nn.Module):
+    """Each channel of a BatchNorm over two values is normalized to +-1, whatever its size: a
+    channel whose two values happen to lie close (+-0.002 in a stream of rms 0.6) divides the
+    stream-sized error the Linear made by its own tiny spread. The head's norm makes its input
+    gradient pure noise, and the mean over tokens passes that on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = _LinearNorm(16, 128)
+        self.ln2 = _LinearNorm(128, 16)
+        self.head = _NormLinear(16, 4)
+
+    def forward(self, x):
+        h = x + self.ln2(F.hardswish(self.ln1(x)))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("threads", [None, (1, 2)])
+def test_batchnorm_over_two_values_per_channel_pass(tmp_path, threads):
+    rep = _pair(tmp_path, lambda: _scenario(_LeVitLike, (2, 1, 16), seed=3), threads=threads, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_batchnorm_over_two_values_fault_still_caught(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_LeVitLike, (2, 1, 16), seed=3), dtype="fp32", local=False,
+                hooks=scale_output("ln2.linear", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "ln2.linear", rep.first_divergence
