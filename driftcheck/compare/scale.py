@@ -1,6 +1,6 @@
-"""Floor inputs beyond the entry itself: operand magnitudes of parameter gradients, the terms a
-gradient sums, a run's own optimizer update, and the unit roundoff each side computed with
-(methods of the Comparison).
+"""Floor inputs beyond the entry itself: a run's own optimizer update, the error an optimizer's
+state takes from its gradient, a kernel's own low-precision sum, and the unit roundoff each side
+computed with (methods of the Comparison; operand magnitudes are in magnitude.py).
 """
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from driftcheck import dtypes
 from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.kinks import KINK_NEAR, density_near_zero
+from driftcheck.compare.magnitude import LINEAR_STATE, SQUARED_STATE
 from driftcheck.compare.measure import rms_of
-
-LINEAR_STATE = ("exp_avg", "momentum_buffer")  # optimizer moments linear in the gradient
-SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq", "sum")  # ... in its square
 from driftcheck.compare.propagation import NONE
 from driftcheck.report import Finding
 from driftcheck.store.reader import TraceReader
@@ -22,7 +20,6 @@ from driftcheck.store.reader import TraceReader
 MATMUL_KINDS = ("linear", "conv", "composite")
 AUTOCAST_U = {n: dtypes.unit_roundoff(n) for n in ("bf16", "bfloat16", "fp16", "float16")}
 LOW_PRECISION_SUM = 0.01  # a kernel's own sum off by this share of it: named (a warning)
-
 
 
 def _matmul_roundoff(run: dict[str, Any], dtype: str, phase: str, kind: str | None) -> float:
@@ -44,113 +41,6 @@ def autocast_roundoff(run: dict[str, Any]) -> float:
 
 class Scales:
     """The floor-input half of :class:`driftcheck.compare.Comparison`."""
-
-    def _magnitude(self, r: TraceEntry) -> float:
-        """Operand magnitude of a parameter gradient (and the optimizer state built from it):
-        dW = sum_n g_n x_n^T has rounding error ~ u * sqrt(sum_n g_n^2 x_n^2), whose rms over W
-        is about ||G|| ||X|| / sqrt(numel(G) * fan_in); a bias's is ||G|| / sqrt(numel(b))."""
-        s, ph, m, _, slot = r.align
-        if ph == "optimizer" and slot.startswith("state."):
-            leaf = slot.split(".")[1]
-            g = self.ref_index.by_align.get((s, "grads", m, 0, f"param.{leaf}"))
-            if g is None:
-                return 0.0
-            mu = self.errors.get(g.align, NONE).mu
-            sq = slot.endswith(SQUARED_STATE)
-            return rms_of(r.stats) * (mu * mu if sq else mu)
-        if ph in ("optimizer", "params") and slot.endswith("running_mean"):
-            return self._running_mean_magnitude(r)
-        if ph == "backward" and slot.startswith("grad_input") \
-                and r.meta.get("kind") in ("norm", "batchnorm"):
-            return self._norm_grad_magnitude(r)
-        if ph != "grads":
-            return 0.0
-        if not self.ref_index.calls.get((s, m)):
-            # A parameter its module's parent uses directly (F.multi_head_attention_forward with
-            # k_proj.weight and .bias): no call of its own, no output gradient to size its terms
-            # by. A gradient that cancels (a key bias's is exactly zero in exact arithmetic) is
-            # judged at the scale of its siblings' gradients (hf_wavlm: 3e5 on a clean bf16 run).
-            cache = self.__dict__.setdefault("_sibling_scale", {})
-            if (s, m) not in cache:
-                cache[(s, m)] = max((rms_of(e.stats) for e in self.ref_entries
-                                     if e.step == s and e.phase == "grads" and e.module == m), default=0.0)
-            return cache[(s, m)]
-        g2 = x2 = g_n = 0.0
-        out_ch = fan_in = None
-        for c in self.ref_index.calls.get((s, m), ()):
-            for e in self.ref_index.gout.get((s, m, c), [])[:1]:
-                g2 += (e.stats.get("l2") or 0.0) ** 2
-                g_n += e.stats.get("numel") or 0
-                if e.shape:
-                    out_ch = e.shape[-1] if e.meta.get("kind") == "linear" else \
-                        (e.shape[1] if len(e.shape) > 1 else e.shape[0])
-            for e in self.ref_index.fwd_in.get((s, m, c), [])[:1]:
-                x2 += (e.stats.get("l2") or 0.0) ** 2
-            for e in self.ref_index.fwd_out.get((s, m, c), [])[:1]:
-                meta = e.meta
-                if meta.get("k"):
-                    fan_in = meta["k"] // max(meta.get("kernel", 1), 1)
-        numel = r.stats.get("numel") or 0
-        if not g2 or not numel:
-            return 0.0
-        if slot == "param.weight" and x2 and fan_in and g_n:
-            return math.sqrt(g2 * x2 / (g_n * fan_in))
-        if len(r.shape) == 1 and out_ch == r.shape[0]:
-            return math.sqrt(g2 / numel)  # a bias (or a norm's per-channel parameter)
-        return 0.0
-
-    def _norm_grad_magnitude(self, r: TraceEntry) -> float:
-        """A norm's input gradient is (gamma / sigma) (g - mean(g) - xhat mean(g xhat)): where
-        a group holds few values (batch 2 over a 1x1 map: BatchNorm after global pooling) the
-        projections cancel it to ~0 and its rounding scales with the terms, rms(g) |gamma| /
-        sigma, estimated as rms(g) rms(y) gain / rms(x) from the call's output gradient,
-        output and input (gain = rms/std of the input, meta norm_gain)."""
-        s, _, m, c, _ = r.align
-        key = (s, m, c)
-        g, y, x = (self.ref_index.gout.get(key, [None])[:1], self.ref_index.fwd_out.get(key, [None])[:1],
-                   self.ref_index.fwd_in.get(key, [None])[:1])
-        if not (g and y and x) or None in (g[0], y[0], x[0]):
-            return 0.0
-        rx = rms_of(x[0].stats)
-        if not rx:
-            return 0.0
-        gain = float(y[0].meta.get("norm_gain") or 1.0)
-        return rms_of(g[0].stats) * rms_of(y[0].stats) * gain / rx
-
-    def _running_mean_magnitude(self, r: TraceEntry) -> float:
-        """A BatchNorm's running mean adds momentum x the batch mean of its input each call:
-        where that mean cancels (a normalized input through a bias-free convolution: ~1e-9 of
-        its rms) rounding and inherited error scale with the terms summed, not with their sum.
-        The params entry of step s is the running mean after step s-1: that step's calls."""
-        s, ph, m, _, _ = r.align
-        step = s - 1 if ph == "params" else s
-        x2 = n = 0.0
-        momentum = 0.0
-        for c in self.ref_index.calls.get((step, m), ()):
-            outs = self.ref_index.fwd_out.get((step, m, c), [])
-            if not outs or outs[0].meta.get("kind") != "batchnorm":
-                continue
-            momentum = max(momentum, float(outs[0].meta.get("momentum", 0.1) or 0.0))
-            for e in self.ref_index.fwd_in.get((step, m, c), [])[:1]:
-                x2 += (e.stats.get("l2") or 0.0) ** 2
-                n += e.stats.get("numel") or 0
-        return momentum * math.sqrt(x2 / n) if n else 0.0
-
-    def _grad_terms(self, r: TraceEntry) -> int | None:
-        """How many terms each element of a parameter gradient sums (K of its accumulation):
-        per call, the output gradient's elements per output channel (batch x positions for a
-        convolution, rows for a Linear), over every call. Two runs may sum them in different
-        orders (threads, kernels): fp32 against fp32 differs by ~sqrt(K) u there."""
-        s, _, m, _, slot = r.align
-        if not r.shape:
-            return None
-        terms = 0
-        for c in self.ref_index.calls.get((s, m), ()):
-            for e in self.ref_index.gout.get((s, m, c), [])[:1]:
-                # the output channel: dim 1 (convolutions, batch norm) or last (Linear, norms)
-                if len(e.shape) > 1 and r.shape[0] in (e.shape[1], e.shape[-1]):
-                    terms += (e.stats.get("numel") or 0) // r.shape[0]
-        return terms or None
 
     def _update_scale(self, r: TraceEntry, reader: TraceReader | None = None,
                       index: dict | None = None) -> tuple[float, float]:

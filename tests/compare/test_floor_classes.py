@@ -889,3 +889,49 @@ def test_batchnorm_over_two_values_fault_still_caught(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_LeVitLike, (2, 1, 16), seed=3), dtype="fp32", local=False,
                 hooks=scale_output("ln2.linear", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "ln2.linear", rep.first_divergence
+
+
+# -- parameters a module's own code uses: a class token, a position embedding, a learned scalar ------
+
+class _Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.full((1, 1, 16), 0.1))
+        self.pos = nn.Parameter(0.02 * torch.randn(1, 5, 16))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        h = torch.cat([self.cls.expand(len(x), -1, -1), x], 1)
+        return self.scale * (h + self.pos)
+
+
+class _EmbedNet(nn.Module):
+    """The batch mean subtracted after the embedding: the gradient of a parameter the
+    embedding's code adds to every sample cancels (g1 + g2 = 0 in exact arithmetic), and its
+    rounding scales with the terms summed (hf_pvt's class token, timm visformer's position
+    embedding before a BatchNorm, caformer's StarReLU scalars)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.embed = _Embed()
+        self.head = nn.Linear(80, 4)
+
+    def forward(self, x):
+        e = self.embed(self.proj(x))
+        return self.head(F.gelu((e - e.mean(0, keepdim=True)).flatten(1)))
+
+
+@pytest.mark.parametrize("threads", [None, (1, 2)])
+def test_parameters_the_module_code_broadcasts_pass(tmp_path, threads):
+    rep = _pair(tmp_path, lambda: _scenario(_EmbedNet, (2, 4, 8)), threads=threads, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    k = {e.slot: e.details["floor"]["k"] for e in rep.entries if e.module == "embed" and e.phase == "grads"}
+    # terms per element of the tensor each broadcasts against (the class token's is a bound: 2)
+    assert k == {"param.cls": 10, "param.pos": 2, "param.scale": 160}, k
+
+
+def test_parameters_the_module_code_broadcasts_fault_caught(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_EmbedNet, (2, 4, 8)), dtype="fp32", local=False,
+                hooks=scale_output("proj", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "proj", rep.first_divergence
