@@ -100,6 +100,17 @@ class Scales:
         u_acc = max(dtypes.accumulation_roundoff(r.dtype), dtypes.accumulation_roundoff(t.dtype))
         return u, u_acc
 
+    def _grad_output_u(self, r: TraceEntry) -> float:
+        """The coarsest unit roundoff among the target's output gradients of the calls of the
+        module a parameter entry belongs to (the dtype its backward kernel computes in)."""
+        u = 0.0
+        for c in self.ref_index.calls.get((r.step, r.module), ()):
+            for e in self.ref_index.gout.get((r.step, r.module, c), [])[:1]:
+                t = self.tgt_map.get(e.align)
+                if t is not None and dtypes.is_float(t.dtype):
+                    u = max(u, dtypes.unit_roundoff(t.dtype))
+        return u
+
     def _owner_kind(self, r: TraceEntry) -> str | None:
         """The kind of the module a parameter entry belongs to (from its forward output)."""
         for c in sorted(self.ref_index.calls.get((r.step, r.module), ())):

@@ -935,3 +935,29 @@ def test_parameters_the_module_code_broadcasts_fault_caught(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_EmbedNet, (2, 4, 8)), dtype="fp32", local=False,
                 hooks=scale_output("proj", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "proj", rep.first_divergence
+
+
+# -- a LayerNorm under autocast sums its fp32 weight's gradient in bf16 ------------------------------
+
+class _AutocastNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_norm_weight_gradient_summed_in_its_output_gradients_dtype(tmp_path, mode):
+    """The loss (mean of squares) makes each channel's 512 terms g * xhat of one sign: a bf16
+    sum of them is off by ~sqrt(512) u_bf16 of its value (timm_coatnet, timm_swinv2: 5-6)."""
+    make = lambda: _scenario(_AutocastNorm, (2, 256, 16))  # noqa: E731
+    ref = record(make(), tmp_path / "ref", force=True)
+    ref_m = ref if mode == "full" else record(make(), tmp_path / "rs", force=True, replay=ref, mode=mode)
+    tgt = record(make(), tmp_path / "t", force=True, replay=ref, mode=mode, autocast="bf16")
+    rep = compare(ref_m, tgt)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    w = [e for e in rep.entries if e.key.endswith("grads/norm/0/param.weight")]
+    assert w and all(e.metrics["rms"] > 1e-3 * e.metrics["ref_rms"] for e in w)  # bf16-sized
