@@ -18,6 +18,7 @@ C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding m
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq")  # optimizer state of g^2
 NOISE_GRAD = 0.3  # a gradient whose error is this share of its value is rounding noise
+KAPPA_PARAM = 2.0  # as floor.KAPPA, for a parameter's absolute error that enters an output
 REL_LINEAR_CAP = 1e12  # a linear map passes on any relative error (finite: the floor stays a number)
 
 
@@ -110,6 +111,15 @@ class Judging:
             inh_max = max(inh_max, max((min(x.rel_max * x.mu, fl.REL_CAP) for x in inh), default=0.0))
         composite_in = r.phase == "backward" and r.slot.startswith("grad_input") \
             and meta.get("kind") == "composite"
+        if r.phase == "forward" and r.slot.startswith("output") and meta.get("kind") == "composite" \
+                and ref_rms > 0:
+            # ... and its output, its last child's (or that plus a residual): absolute errors
+            for d, x in zip(deps, inh):
+                if d.phase == "forward" and d.slot.startswith("output") and d.module != r.module \
+                        and _same_values(d.shape, r.shape):
+                    inh_rms = max(inh_rms, min(x.rms / ref_rms, REL_LINEAR_CAP))
+                    if ref_max > 0:
+                        inh_max = max(inh_max, min(x.max / ref_max, REL_LINEAR_CAP))
         if r.phase == "backward" and (r.slot.startswith("grad_output") or composite_in) and ref_rms > 0:
             # A gradient of the same shape that reached this one (through a residual add, or
             # as the very tensor a child's input gradient is: a composite's input gradient is
@@ -172,6 +182,12 @@ class Judging:
                     extra_rms = max(extra_rms, 2.0 * max(upd_rms, t_rms))
                     extra_max = max(extra_max, 2.0 * max(upd_max, t_max))
                     details["gradient_below_noise"] = rel_g
+        if r.phase == "forward" and r.slot.startswith("output") and meta.get("kind") in ("norm", "batchnorm"):
+            # y = gamma xhat + beta: the parameters' absolute errors enter the output as they
+            # are, where a relative error capped at 1 says too little (a zero-initialised bias
+            # that Adam stepped by +-lr from noise: hf_mobilevitv2, 58x its value)
+            p_rms, p_max = self._norm_param_error(r, ref_rms)
+            extra_rms, extra_max = extra_rms + KAPPA_PARAM * p_rms, extra_max + KAPPA_PARAM * p_max
         logits = self._logit_max(r)
         if logits > 1.0:
             # exp turns a logit's rounding u|x| into a relative error u|x| of its weight

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from driftcheck import dtypes
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
@@ -73,6 +74,23 @@ class Magnitudes:
             return 0.0
         terms = self._broadcast_terms(r)
         return math.sqrt(terms[0] / numel) if terms else 0.0
+
+    def _norm_param_error(self, r: TraceEntry, y_rms: float) -> tuple[float, float]:
+        """(rms, max) of the error a norm's output takes from its parameters' (y = gamma xhat +
+        beta): beta's as it is, gamma's times xhat's rms, estimated as rms(y) / rms(gamma)
+        (1 in training, anything for a BatchNorm in eval mode)."""
+        err_rms = err_max = 0.0
+        for p in self.ref_index.params.get((r.step, r.module), ()):
+            e = self.errors.get(p.align)
+            if e is None or not dtypes.is_float(p.dtype):
+                continue
+            if p.slot == "param.bias":
+                err_rms, err_max = err_rms + e.rms, err_max + e.max
+            elif p.slot == "param.weight":
+                g = rms_of(p.stats)
+                xhat = y_rms / g if g > 0 else 1.0
+                err_rms, err_max = err_rms + e.rms * xhat, err_max + e.max * xhat
+        return err_rms, err_max
 
     def _broadcast_terms(self, r: TraceEntry) -> tuple[float, int] | None:
         """(sum of squares, numel) of the gradient a parameter the module's own code uses

@@ -961,3 +961,38 @@ def test_norm_weight_gradient_summed_in_its_output_gradients_dtype(tmp_path, mod
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
     w = [e for e in rep.entries if e.key.endswith("grads/norm/0/param.weight")]
     assert w and all(e.metrics["rms"] > 1e-3 * e.metrics["ref_rms"] for e in w)  # bf16-sized
+
+
+# -- a norm's parameters enter its output as they are: their absolute errors ------------------------
+
+class _QuietNorm(nn.Module):
+    """A LayerNorm of tiny scale (a zero-init-like residual branch) whose bias gradient cancels
+    (the batch mean is subtracted after it): Adam steps that bias by +-lr from noise on both
+    runs, 10x the norm's own output (hf_mobilevitv2's BatchNorm in its reduce block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.norm.weight.data.fill_(1e-5)
+        self.norm.weight.requires_grad_(False)
+        self.inner = nn.Sequential(self.norm)  # the norm's output is its parent's
+
+    def forward(self, x):
+        y = self.inner(self.proj(x))
+        return x + 100.0 * (y - y.mean(0, keepdim=True))
+
+
+def _quiet_scenario() -> Scenario:
+    sc = _scenario(_QuietNorm, (2, 8, 16))
+    # eps above the fp32 run's noise gradient, below the bf16 run's: only the target steps
+    sc.optimizer = lambda p: torch.optim.AdamW(p, lr=1e-3, eps=1e-5)
+    return sc
+
+
+def test_norm_parameters_absolute_error_enters_its_output(tmp_path):
+    rep = _pair(tmp_path, _quiet_scenario, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    b = next(e for e in rep.entries if e.key == "1/params/norm/0/param.bias")
+    y = next(e for e in rep.entries if e.key == "1/forward/norm/0/output")
+    assert b.metrics["rms"] > 3 * y.metrics["ref_rms"]  # the bias is off by more than y's size
