@@ -155,6 +155,10 @@ class Judging:
             extra_rms, extra_max = self._bias_sum_error(r, how)
             if extra_rms:
                 details["bias_sum_error"] = extra_rms
+        elif r.phase == "grads" and how != "full":
+            extra_rms, extra_max = self._norm_sum_allowance(r)  # a norm's weight, from samples
+            if extra_rms:
+                details["low_precision_sum_allowance"] = extra_rms
         if r.phase == "params" and r.step > 0:
             # The state before step s is the state after step s-1: the same tensor.
             prev = self.errors.get((r.step - 1, "optimizer", r.module, 0, r.slot))

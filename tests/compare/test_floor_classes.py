@@ -996,3 +996,23 @@ def test_norm_parameters_absolute_error_enters_its_output(tmp_path):
     b = next(e for e in rep.entries if e.key == "1/params/norm/0/param.bias")
     y = next(e for e in rep.entries if e.key == "1/forward/norm/0/output")
     assert b.metrics["rms"] > 3 * y.metrics["ref_rms"]  # the bias is off by more than y's size
+
+
+class _OffsetNorm(_AutocastNorm):
+    def forward(self, x):
+        return self.norm(self.proj(x + 3.0))  # channel offsets: each bias gradient sums one sign
+
+
+def test_norm_bias_summed_in_bf16_is_allowed_its_worst_case_from_samples(tmp_path):
+    """A bf16 sum of 2048 same-sign terms stagnates (50% here; timm_coatnet: 30% over 512 at
+    ratio 3.85 in stats mode). Full mode measures the kernel's own sum; from samples the floor
+    allows the worst case K u |sum| that full mode clips its measurement to."""
+    make = lambda: _scenario(_OffsetNorm, (2, 1024, 16))  # noqa: E731
+    ref = record(make(), tmp_path / "ref", force=True)
+    rs = record(make(), tmp_path / "rs", force=True, replay=ref, mode="stats")
+    rep = compare(rs, record(make(), tmp_path / "t", force=True, replay=ref, mode="stats", autocast="bf16"))
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    for e in rep.entries:
+        if e.key.endswith("grads/norm/0/param.bias"):
+            assert e.metrics["rms"] > 0.2 * e.metrics["ref_rms"]  # the kernel's stagnation
+            assert e.details["bias_sum_error"] >= e.metrics["ref_rms"]  # min(K u, 1) |sum|
