@@ -103,6 +103,10 @@ class Kinks:
             # A kink that only changes the slope (LeakyReLU, a clamp's other side): the
             # gradient differs by more than the floor, at an input that crossed the kink.
             flip |= cross & (diff > floor_max)
+        elif which == "sample" and own and (ometa.get("kinks") or fmeta.get("kinks")):
+            # ... which a sample cannot tell without its input's positions (hard-swish's +3:
+            # slope 1.5 on one side, 1 on the other): counted, against the kink profile
+            flip |= diff > floor_max
         n = int(flip.sum())
         if n == 0:
             return m

@@ -1016,3 +1016,33 @@ def test_norm_bias_summed_in_bf16_is_allowed_its_worst_case_from_samples(tmp_pat
         if e.key.endswith("grads/norm/0/param.bias"):
             assert e.metrics["rms"] > 0.2 * e.metrics["ref_rms"]  # the kernel's stagnation
             assert e.details["bias_sum_error"] >= e.metrics["ref_rms"]  # min(K u, 1) |sum|
+
+
+# -- a slope-changing kink seen through samples -----------------------------------------------------
+
+class _HardStem(nn.Module):
+    """LeViT's stem: convolutions and hard-swish. At +3 hard-swish's slope jumps from 1.5 to 1;
+    the local replay rounds inputs across it, and a sample of the input gradient cannot tell
+    those elements from others without its input's positions (timm_levit, stats mode: 7.55)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.act1 = nn.Hardswish()
+        self.c2 = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.act2 = nn.Hardswish()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.act2(self.c2(self.act1(self.c1(x) * 3))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_slope_kink_flips_from_samples_under_local_replay(tmp_path, fault):
+    make = lambda: _scenario(_HardStem, (2, 3, 32, 32), seed=1)  # noqa: E731
+    if fault:
+        rep = _pair(tmp_path, make, dtype="fp32", mode="stats", hooks=scale_output("c1", 1.05))
+        assert rep.verdict == "fail" and rep.first_divergence["module"] == "c1", rep.first_divergence
+    else:
+        rep = _pair(tmp_path, make, mode="stats")
+        assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
