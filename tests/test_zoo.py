@@ -80,10 +80,13 @@ def test_zoo_entries_load_as_model_specs():
 # and the one control that failed there (docs/diagnosis.md): a bf16 LayerNorm bias summed over
 # a pooled stream, Adam's moments of that gradient (hf_focalnet); a token far smaller than the
 # stream a LayerNorm normalizes (hf_deit); the same norm's bias under autocast (hf_swinv2); a
-# CTC loss's gradient, which carries its logits' absolute error (hf_data2vec_audio, 2 threads).
+# CTC loss's gradient, which carries its logits' absolute error (hf_data2vec_audio, 2 threads);
+# under autocast and in bf16, a token whose parameter Adam stepped from noise, divided by its own
+# small spread (hf_deit, hf_ast: the norm's input error propagated group by group).
 # With the local replay: a router whose recorded logits gradient already holds its scores' share
 # (hf_mixtral; the replay added it a second time).
 CLASSES = [("hf_focalnet", "bf16", False), ("hf_deit", "bf16", False), ("hf_swinv2", "autocast", False),
+           ("hf_deit", "autocast", False), ("hf_ast", "bf16", False),
            ("hf_data2vec_audio", "threads", False), ("hf_mixtral", "threads", True)]
 
 

@@ -16,8 +16,9 @@ from driftcheck.compare.findings import Findings
 from driftcheck.compare.index import DependencyIndex
 from driftcheck.compare.judge import Judging
 from driftcheck.compare.kinks import Kinks
-from driftcheck.compare.measure import Measured, Measuring
 from driftcheck.compare.magnitude import Magnitudes
+from driftcheck.compare.measure import Measured, Measuring
+from driftcheck.compare.norms import Norms
 from driftcheck.compare.propagation import Propagated
 from driftcheck.compare.scale import Scales
 from driftcheck.compare.verdict import Verdict
@@ -31,7 +32,7 @@ from driftcheck.store.reader import TraceReader
 __all__ = ["Comparison", "compare"]
 
 
-class Comparison(Judging, Kinks, Scales, Magnitudes, Measuring, Findings, Verdict):
+class Comparison(Judging, Kinks, Scales, Magnitudes, Norms, Measuring, Findings, Verdict):
     """One comparison of a target trace against a reference (optionally a float64 truth)."""
 
     def __init__(self, ref: TraceReader, tgt: TraceReader, *, policy: Policy | None = None,

@@ -109,6 +109,14 @@ class Judging:
             # input's value, not to the operand magnitude it came with (mu > 1 where it cancelled).
             inh_rms = max(inh_rms, max((min(x.rel_rms * x.mu, fl.REL_CAP) for x in inh), default=0.0))
             inh_max = max(inh_max, max((min(x.rel_max * x.mu, fl.REL_CAP) for x in inh), default=0.0))
+        if r.phase == "forward" and r.slot.startswith("output") and meta.get("kind") in ("norm", "batchnorm"):
+            # full mode: the input's error through the norm itself, group by group (norms.py)
+            lin = self._norm_inherited(r, how)
+            if lin is not None and scale_rms > 0:
+                details["norm_propagated"] = lin[0]
+                inh_rms = max(inh_rms, lin[0] / (scale_rms * gain))
+                if scale_max > 0:
+                    inh_max = max(inh_max, lin[1] / (scale_max * gain_max))
         composite_in = r.phase == "backward" and r.slot.startswith("grad_input") \
             and meta.get("kind") == "composite"
         if r.phase == "forward" and r.slot.startswith("output") and meta.get("kind") == "composite" \

@@ -154,7 +154,7 @@ class Magnitudes:
         per call, the output gradient's elements per output channel (batch x positions for a
         convolution, rows for a Linear), over every call. Two runs may sum them in different
         orders (threads, kernels): fp32 against fp32 differs by ~sqrt(K) u there."""
-        s, _, m, _, slot = r.align
+        s, _, m, _, _ = r.align
         if not r.shape:
             return None
         terms = 0

@@ -13,7 +13,8 @@ from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
 from driftcheck.record.autograd import whole_base_node
 from driftcheck.record.meta import (backward_meta, call_k, floating, is_leaf, kink_profile,
-                                    magnitude_sq, norm_gain_sq, piecewise, static_meta, tie_profile)
+                                    magnitude_sq, piecewise, static_meta, tie_profile)
+from driftcheck.record.norms import norm_gain_sq, norm_layout
 
 
 class ForwardHooks:
@@ -105,6 +106,9 @@ class ForwardHooks:
                         gain = None
                 if gain is not None:
                     dev_meta = dict(dev_meta or {}, norm_gain_sq=gain)
+                layout = norm_layout(module, args[0])
+                if layout is not None:
+                    ctx = dict(ctx, **layout)
             logits = self._logits.pop((name_, call), None)
             if logits is not None:
                 dev_meta = dict(dev_meta or {}, logit_absmax=logits)

@@ -1046,3 +1046,34 @@ def test_slope_kink_flips_from_samples_under_local_replay(tmp_path, fault):
     else:
         rep = _pair(tmp_path, make, mode="stats")
         assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a norm's inherited error, propagated group by group (full mode) ------------------------------
+
+class _TinyToken(nn.Module):
+    """A token of std 0.002 concatenated to a stream of rms ~0.5, then a LayerNorm over each
+    token (hf_deit's distillation token, whose error Adam's noise steps made 35% of its size:
+    tests/test_zoo.py runs that architecture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 32)
+        self.tok = nn.Parameter(0.002 * torch.randn(1, 1, 32))
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.cat([self.tok.expand(len(x), -1, -1), self.proj(x)], 1)))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_norm_propagates_its_input_error_by_group(tmp_path, fault):
+    make = lambda: _scenario(_TinyToken, (2, 6, 8))  # noqa: E731
+    if fault:  # the norm itself 5% off, fp32: still caught there with the tighter estimate
+        rep = _pair(tmp_path, make, dtype="fp32", local=False, hooks=scale_output("norm", 1.05))
+        assert rep.verdict == "fail" and rep.first_divergence["module"] == "norm", rep.first_divergence
+        return
+    rep = _pair(tmp_path, make, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    y = next(e for e in rep.entries if e.key == "1/forward/norm/0/output")
+    assert 0 < y.details["norm_propagated"] < y.metrics["rms"] * 10

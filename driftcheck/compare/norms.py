@@ -1,0 +1,76 @@
+"""Norms: the error a normalization's output inherits from its input, propagated exactly
+through the norm's linearization where both inputs are recorded whole (method of the
+Comparison).
+
+y = gamma (x - mean) / sigma + beta moves, to first order, by
+
+    dy = gamma / sigma (dx - mean(dx) - xhat mean(dx xhat))        (an RMSNorm: no mean(dx))
+
+per normalization group. A relative error taken over the whole input assumes each group's error
+is in proportion to its own size; a group far smaller than the rest (a distillation token of
+std 0.002 in a stream of rms 0.26, whose parameter Adam stepped by +-lr) can carry 35% of its
+own size and is divided by that small spread.
+"""
+from __future__ import annotations
+
+import torch
+
+from driftcheck.compare.entries import TraceEntry
+
+
+class Norms:
+    """The norm part of :class:`driftcheck.compare.Comparison`."""
+
+    def _norm_inherited(self, r: TraceEntry, how: str) -> tuple[float, float] | None:
+        """(rms, max) of the first-order change of a norm call's output that its input's error
+        causes (full mode, the call's ``norm_dims`` recorded); None where it cannot be computed."""
+        dims = r.meta.get("norm_dims")
+        if how != "full" or not dims:
+            return None
+        x_e = (self.ref_index.fwd_in.get((r.step, r.module, r.call)) or [None])[0]
+        xt_e = self.tgt_map.get(x_e.align) if x_e is not None else None
+        if xt_e is None:
+            return None
+        xr, xt = self.ref.tensor(x_e.raw), self.tgt.tensor(xt_e.raw)
+        if xr is None or xt is None or xr.shape != xt.shape or not xr.is_floating_point():
+            return None
+        x, dx = xr.double(), xt.double() - xr.double()
+        if not torch.isfinite(dx).all():
+            return None
+        shape = x.shape
+        groups = r.meta.get("norm_groups")
+        if groups:
+            x, dx = x.reshape(shape[0], groups, -1), dx.reshape(shape[0], groups, -1)
+        eps = float(r.meta.get("norm_eps") or 0.0)
+        if r.meta.get("norm_rms"):
+            sd = (x.pow(2).mean(dims, keepdim=True) + eps).sqrt()
+            xh = x / sd
+            dy = (dx - xh * (dx * xh).mean(dims, keepdim=True)) / sd
+        else:
+            mu = x.mean(dims, keepdim=True)
+            sd = (x.var(dims, unbiased=False, keepdim=True) + eps).sqrt()
+            xh = (x - mu) / sd
+            dy = (dx - dx.mean(dims, keepdim=True) - xh * (dx * xh).mean(dims, keepdim=True)) / sd
+        dy = dy.reshape(shape)
+        gamma = self._norm_weight(r, shape, dims if not groups else [1])
+        if gamma is None:
+            return None
+        dy = dy * gamma
+        return float(dy.pow(2).mean().sqrt()), float(dy.abs().max()) if dy.numel() else 0.0
+
+    def _norm_weight(self, r: TraceEntry, shape: torch.Size, dims: list[int]) -> torch.Tensor | float | None:
+        """The reference's norm weight, shaped to broadcast against the input (1 without one;
+        None where its layout is not the input's)."""
+        w_e = next((p for p in self.ref_index.params.get((r.step, r.module), ()) if p.slot == "param.weight"), None)
+        if w_e is None:
+            return 1.0
+        w = self.ref.tensor(w_e.raw)
+        if w is None:
+            return None
+        w = w.double()
+        tail = list(shape[len(shape) - w.dim():]) if w.dim() <= len(shape) else None
+        if dims == list(range(len(shape) - w.dim(), len(shape))) and list(w.shape) == tail:
+            return w  # a LayerNorm over its trailing dims
+        if w.dim() == 1 and len(shape) > 1 and w.numel() == shape[1]:
+            return w.reshape([1, -1] + [1] * (len(shape) - 2))  # per channel (BatchNorm, GroupNorm)
+        return None
