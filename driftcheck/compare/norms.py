@@ -34,8 +34,14 @@ class Norms:
         xr, xt = self.ref.tensor(x_e.raw), self.tgt.tensor(xt_e.raw)
         if xr is None or xt is None or xr.shape != xt.shape or not xr.is_floating_point():
             return None
-        x, dx = xr.double(), xt.double() - xr.double()
-        if not torch.isfinite(dx).all():
+        try:
+            return self._propagate(r, xr.double(), xt.double() - xr.double(), dims)
+        except (RuntimeError, IndexError, ValueError):
+            return None  # a layout that does not fit the input (dims, groups): go without
+
+    def _propagate(self, r: TraceEntry, x: torch.Tensor, dx: torch.Tensor,
+                   dims: list[int]) -> tuple[float, float] | None:
+        if not x.numel() or not torch.isfinite(dx).all():
             return None
         shape = x.shape
         groups = r.meta.get("norm_groups")

@@ -282,7 +282,15 @@ def _check_meta(i: int, meta: Any) -> None:
         raise FormatError(f"manifest entry {i} meta 'kink_profile' is not a list of counts")
     if meta.get("k_grad") is not None and not (_is_int(meta["k_grad"]) and meta["k_grad"] >= 0):
         raise FormatError(f"manifest entry {i} meta 'k_grad' is not a non-negative integer")
-    for k in ("mag_rms", "logit_absmax", "momentum", "norm_gain", "norm_gain_max"):
+    dims = meta.get("norm_dims")
+    if dims is not None and not (isinstance(dims, list) and 0 < len(dims) <= 16
+                                 and all(_is_int(d) and 0 <= d < 64 for d in dims)):
+        raise FormatError(f"manifest entry {i} meta 'norm_dims' is not a list of dims")
+    if meta.get("norm_groups") is not None and not (_is_int(meta["norm_groups"]) and meta["norm_groups"] > 0):
+        raise FormatError(f"manifest entry {i} meta 'norm_groups' is not a positive integer")
+    if meta.get("norm_rms") is not None and not isinstance(meta["norm_rms"], bool):
+        raise FormatError(f"manifest entry {i} meta 'norm_rms' is not true or false")
+    for k in ("mag_rms", "logit_absmax", "momentum", "norm_gain", "norm_gain_max", "norm_eps"):
         v = meta.get(k)
         if not (_is_num(v) and (v is None or v >= 0)):
             raise FormatError(f"manifest entry {i} meta {k!r} is not a non-negative number")

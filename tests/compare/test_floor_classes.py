@@ -1077,3 +1077,26 @@ def test_norm_propagates_its_input_error_by_group(tmp_path, fault):
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
     y = next(e for e in rep.entries if e.key == "1/forward/norm/0/output")
     assert 0 < y.details["norm_propagated"] < y.metrics["rms"] * 10
+
+
+def test_a_norm_layout_that_does_not_fit_is_refused_or_ignored(tmp_path):
+    """A reference manifest's norm layout is data: malformed, the reader refuses it in one line;
+    well-formed but not the input's (a dim it does not have), compare goes without it."""
+    import json
+
+    from driftcheck.errors import DriftcheckError
+
+    make = lambda: _scenario(_TinyToken, (2, 6, 8))  # noqa: E731
+    ref = record(make(), tmp_path / "ref", force=True)
+    tgt = record(make(), tmp_path / "tgt", dtype="bf16", replay=ref, force=True)
+    path = ref / "manifest.json"
+    manifest = json.loads(path.read_text())
+    entry = next(e for e in manifest["entries"] if (e.get("meta") or {}).get("norm_dims"))
+    entry["meta"]["norm_dims"] = "last"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DriftcheckError, match="norm_dims"):
+        compare(ref, tgt)
+    entry["meta"]["norm_dims"] = [7]
+    path.write_text(json.dumps(manifest))
+    e = next(x for x in compare(ref, tgt).entries if x.key == entry["key"])
+    assert e.ratio is not None and "norm_propagated" not in e.details
