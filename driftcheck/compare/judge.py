@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 from driftcheck import dtypes
 from driftcheck import floor as fl
@@ -27,6 +27,20 @@ def _same_values(a: Any, b: Any) -> bool:
     tokens of a (batch, tokens, channels) stream sees (batch * tokens, channels))."""
     a, b = list(a), list(b)
     return a == b or (bool(a) and bool(b) and a[-1] == b[-1] and math.prod(a) == math.prod(b))
+
+
+def _same_tensor(r: TraceEntry, kind: str | None) -> Callable[[TraceEntry], bool] | None:
+    """Which dependencies of ``r`` may hold its very values (then their absolute error is its
+    own), or None where none does."""
+    if r.phase == "backward" and r.slot.startswith("grad_output"):
+        return lambda d: d.phase == "backward"
+    if kind != "composite":
+        return None
+    if r.phase == "backward" and r.slot.startswith("grad_input"):
+        return lambda d: d.phase == "backward" and d.module != r.module and d.slot.startswith("grad_input")
+    if r.phase == "forward" and r.slot.startswith("output"):
+        return lambda d: d.phase == "forward" and d.module != r.module and d.slot.startswith("output")
+    return None
 
 
 def _linear_rel(err: float, scale: float) -> float:
@@ -117,29 +131,18 @@ class Judging:
                 inh_rms = max(inh_rms, lin[0] / (scale_rms * gain))
                 if scale_max > 0:
                     inh_max = max(inh_max, lin[1] / (scale_max * gain_max))
-        composite_in = r.phase == "backward" and r.slot.startswith("grad_input") \
-            and meta.get("kind") == "composite"
-        if r.phase == "forward" and r.slot.startswith("output") and meta.get("kind") == "composite" \
-                and ref_rms > 0:
-            # ... and its output, its last child's (or that plus a residual): absolute errors
+        same = _same_tensor(r, meta.get("kind"))
+        if same is not None and ref_rms > 0:
+            # A tensor of the same values that reached this one brings its absolute error: a
+            # child's input gradient that is this gradient (through a residual add, or a
+            # composite's input gradient, its first child's), a composite's output that is its
+            # last child's. Where that tensor cancelled (a BatchNorm over two values), its
+            # relative error says less. Not capped: it is the same tensor (or a term of it).
             for d, x in zip(deps, inh):
-                if d.phase == "forward" and d.slot.startswith("output") and d.module != r.module \
-                        and _same_values(d.shape, r.shape):
-                    inh_rms = max(inh_rms, min(x.rms / ref_rms, REL_LINEAR_CAP))
+                if same(d) and _same_values(d.shape, r.shape):
+                    inh_rms = max(inh_rms, _linear_rel(x.rms, ref_rms))
                     if ref_max > 0:
-                        inh_max = max(inh_max, min(x.max / ref_max, REL_LINEAR_CAP))
-        if r.phase == "backward" and (r.slot.startswith("grad_output") or composite_in) and ref_rms > 0:
-            # A gradient of the same shape that reached this one (through a residual add, or
-            # as the very tensor a child's input gradient is: a composite's input gradient is
-            # its first child's) brings its absolute error: where that tensor cancelled (a
-            # BatchNorm over two values), its relative error says less.
-            # Not capped: it is the same tensor (or a term of it), its error is this one's.
-            for d, x in zip(deps, inh):
-                if d.phase == "backward" and _same_values(d.shape, r.shape) and (
-                        not composite_in or (d.module != r.module and d.slot.startswith("grad_input"))):
-                    inh_rms = max(inh_rms, min(x.rms / ref_rms, REL_LINEAR_CAP))
-                    if ref_max > 0:
-                        inh_max = max(inh_max, min(x.max / ref_max, REL_LINEAR_CAP))
+                        inh_max = max(inh_max, _linear_rel(x.max, ref_max))
         if r.phase in ("grads", "backward"):
             # A gradient is linear in the gradients it is computed from (J^T g): their error
             # relative to their own scale passes on uncapped, where a BatchNorm over two values

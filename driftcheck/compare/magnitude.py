@@ -101,6 +101,9 @@ class Magnitudes:
         their sum. That gradient is the module's output gradient or one of its children's
         input gradients: the largest of those whose shape the parameter broadcasts against
         (right-aligned, each dim 1 or equal); None where none does."""
+        cache = self.__dict__.setdefault("_broadcast_cache", {})  # asked by _magnitude and K
+        if r.align in cache:
+            return cache[r.align]
         s, _, m, _, _ = r.align
         best: tuple[float, int] | None = None
         for c in self.ref_index.calls.get((s, m), ()):
@@ -110,6 +113,7 @@ class Magnitudes:
                     g2 = (e.stats.get("l2") or 0.0) ** 2
                     if best is None or g2 > best[0]:
                         best = (g2, n)
+        cache[r.align] = best
         return best
 
     def _norm_grad_magnitude(self, r: TraceEntry) -> float:
