@@ -84,10 +84,15 @@ def test_zoo_entries_load_as_model_specs():
 # under autocast and in bf16, a token whose parameter Adam stepped from noise, divided by its own
 # small spread (hf_deit, hf_ast: the norm's input error propagated group by group).
 # With the local replay: a router whose recorded logits gradient already holds its scores' share
-# (hf_mixtral; the replay added it a second time).
+# (hf_mixtral; the replay added it a second time). A key bias Adam stepped by +-lr from noise on
+# the bf16 run only, judged at the next step against the reference's tiny value (hf_clip, bf16
+# and autocast). A GroupNorm on a channels_last map replayed on a contiguous copy of its input,
+# where the kernel sums in another order (diffusers_autoencoder_kl, 2 threads, local replay).
 CLASSES = [("hf_focalnet", "bf16", False), ("hf_deit", "bf16", False), ("hf_swinv2", "autocast", False),
            ("hf_deit", "autocast", False), ("hf_ast", "bf16", False),
-           ("hf_data2vec_audio", "threads", False), ("hf_mixtral", "threads", True)]
+           ("hf_data2vec_audio", "threads", False), ("hf_mixtral", "threads", True),
+           ("hf_clip", "bf16", False), ("hf_clip", "autocast", False),
+           ("diffusers_autoencoder_kl", "threads", True)]
 
 
 @pytest.mark.parametrize("arch,control,local", CLASSES, ids=[f"{a}-{c}{'-local' if lo else ''}"

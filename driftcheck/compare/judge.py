@@ -34,6 +34,10 @@ def _same_tensor(r: TraceEntry, kind: str | None) -> Callable[[TraceEntry], bool
     own), or None where none does."""
     if r.phase == "backward" and r.slot.startswith("grad_output"):
         return lambda d: d.phase == "backward"
+    if r.phase == "optimizer" and r.slot.startswith("param."):
+        # the parameter updated in place (p - lr * step): its value before the step is a term
+        # (a zero-initialised key bias that Adam stepped by +-lr from noise on one run only)
+        return lambda d: d.phase == "params" and d.slot == r.slot
     if kind != "composite":
         return None
     if r.phase == "backward" and r.slot.startswith("grad_input"):
@@ -214,7 +218,7 @@ class Judging:
         elif r.phase == "backward" and r.slot.startswith("grad_output"):
             k = None  # made by the code that consumed the output, not by this module
         else:
-            k = meta.get("k")
+            k = meta.get("k") or self._norm_k(r)
         # A norm subtracting a mean far above the spread amplifies its input's error (and its
         # own rounding of x - mean) by rms/std: the floor's scale, not the value passed on.
         fi = fl.FloorInputs(u=u, u_acc=u_acc, k=k, scale_rms=scale_rms * gain,

@@ -6,7 +6,9 @@ y = gamma (x - mean) / sigma + beta moves, to first order, by
 
     dy = gamma / sigma (dx - mean(dx) - xhat mean(dx xhat))        (an RMSNorm: no mean(dx))
 
-per normalization group. A relative error taken over the whole input assumes each group's error
+per normalization group. Its statistics sum over each group (the group's length K), so two
+correct kernels that sum in another order (another thread count, another blocking) differ by
+about sqrt(K) u in them: the floor's K for a norm's output and input gradient. A relative error taken over the whole input assumes each group's error
 is in proportion to its own size; a group far smaller than the rest (a distillation token of
 std 0.002 in a stream of rms 0.26, whose parameter Adam stepped by +-lr) can carry 35% of its
 own size and is divided by that small spread.
@@ -20,6 +22,19 @@ from driftcheck.compare.entries import TraceEntry
 
 class Norms:
     """The norm part of :class:`driftcheck.compare.Comparison`."""
+
+    def _norm_k(self, r: TraceEntry) -> int | None:
+        """The length of a norm call's groups (what its mean and variance sum over) for its
+        output and its input gradients, from the layout its forward output recorded; None for
+        other entries and where no layout was recorded (or it does not fit the shape)."""
+        if r.meta.get("kind") not in ("norm", "batchnorm") or (r.phase, r.slot[:6]) not in (
+                ("forward", "output"), ("backward", "grad_i")):
+            return None
+        out = next((e for e in self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+                    if e.meta.get("norm_dims")), None)
+        if out is None:
+            return None
+        return group_length(list(out.shape), out.meta["norm_dims"], out.meta.get("norm_groups"))
 
     def _norm_inherited(self, r: TraceEntry, how: str) -> tuple[float, float] | None:
         """(rms, max) of the first-order change of a norm call's output that its input's error
@@ -80,3 +95,23 @@ class Norms:
         if w.dim() == 1 and len(shape) > 1 and w.numel() == shape[1]:
             return w.reshape([1, -1] + [1] * (len(shape) - 2))  # per channel (BatchNorm, GroupNorm)
         return None
+
+
+def group_length(shape: list[int], dims: list[int], groups: int | None) -> int | None:
+    """How many elements one normalization group of a tensor of ``shape`` holds: the product of
+    ``dims`` (after reshaping to (N, groups, -1) where ``groups`` is given); None where the
+    layout does not fit the shape."""
+    if groups:
+        if len(shape) < 2 or shape[0] <= 0 or int(groups) <= 0 or shape[1] % int(groups):
+            return None
+        n = 1
+        for d in shape:
+            n *= int(d)
+        k, rest = divmod(n, shape[0] * int(groups))
+        return k if k > 0 and rest == 0 and list(dims) == [2] else None
+    if not dims or any(not isinstance(d, int) or not -len(shape) <= d < len(shape) for d in dims):
+        return None
+    k = 1
+    for d in dims:
+        k *= int(shape[d])
+    return k or None

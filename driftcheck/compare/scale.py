@@ -302,9 +302,18 @@ class Scales:
 
     def _logit_max(self, r: TraceEntry) -> float:
         """The largest softmax logit with weight that this module call's own code computed (its
-        outputs and input gradients go through that softmax); 0 for anything else."""
-        if r.phase not in ("forward", "backward") or r.slot.startswith("grad_output"):
+        outputs and input gradients go through that softmax), for the model's output gradients
+        also the loss code's; 0 for anything else."""
+        if r.phase not in ("forward", "backward"):
             return 0.0
+        if r.slot.startswith("grad_output"):
+            if r.module:
+                return 0.0
+            # the model's output gradients: made by the model's own code after its last module
+            # (a contrastive loss's cross-entropy) or by the loss code (the loss entry's meta)
+            outs = list(self.ref_index.fwd_out.get((r.step, r.module, r.call), ())) + \
+                list(self.ref_index.loss.get(r.step, ()))
+            return max((float(e.meta.get("logit_absmax") or 0.0) for e in outs), default=0.0)
         call = (r.step, r.module, r.call)
         if r.slot.startswith("input"):  # computed by the parent's code, its softmax included
             call = self.ref_index.parent_of(r)

@@ -324,7 +324,8 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
             with _user_code(name, "the forward", step), \
                     tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
                 output = call_model(model, batch)
-            with _user_code(name, "loss(output, batch)", step):
+            with _user_code(name, "loss(output, batch)", step), \
+                    tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
                 loss = scenario.loss(output, batch) if scenario.loss else None
         if loss is not None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -138,9 +138,10 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._ctc[key] = max(self._ctc.get(key, 0), frames)
 
     def _on_logits(self, absmax: torch.Tensor) -> None:
-        if self._replaying or not self._stack or not self._active:
+        if self._replaying or not self._active:
             return
-        key = self._stack[-1]
+        # outside any module: the loss code (its softmax makes the model's output gradients)
+        key = self._stack[-1] if self._stack else ("", -1)
         prev = self._logits.get(key)
         self._logits[key] = absmax if prev is None else torch.maximum(prev, absmax)
 
@@ -229,8 +230,10 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Capture the step's loss (phase ``loss``)."""
+        logits = self._logits.pop(("", -1), None)
         if self._capturing("loss") and isinstance(loss, torch.Tensor):
-            self._capture("", "loss", 0, "loss", loss)
+            self._capture("", "loss", 0, "loss", loss,
+                          dev_meta={"logit_absmax": logits} if logits is not None else None)
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """End the current step: capture what is left, write it out, start the next step."""
