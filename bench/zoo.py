@@ -17,7 +17,9 @@ mode (view audit on) and in stats mode, with and without the local replay (--loc
   threads   the target in fp32 with 2 intra-op threads
   autocast  the target in fp32 under torch.autocast bf16
 and one defect: the output of a middle Linear/Conv x1.05 on an fp32 target (same variants).
-A clean control passes when the verdict is "pass"; the defect is detected when the verdict
+A clean control passes when the verdict is "pass" (a bf16 or autocast target whose grouped conv1d
+this machine's bf16 kernel gets wrong, bench/kernel_check.py, is no clean run: failed at that
+conv, it is listed with the controls the model cannot run); the defect is detected when the verdict
 fails and localized when report.first_divergence["module"] is the injected module. The
 defect's size is measured in floors of the clean bf16 run at that module (step 0, full mode):
 rms(faulty - reference) / floor, as bench/faults.py does. An architecture that cannot be built
@@ -52,6 +54,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import zoo_models  # noqa: E402  (puts bench/.zoo-site on sys.path first)
+from kernel_check import wrong_bf16_convs  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
 from driftcheck.faults import scale_output  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
@@ -227,6 +230,13 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
                    **opts)
         rep = compare(refs[mode], out)
         case.update(summarize_report(rep))
+        wrong = wrong_bf16_convs(pristine.model) if control in ("bf16", "autocast") else []
+        fd = rep.first_divergence or {}
+        if wrong and rep.verdict == "fail" and fd.get("module") in wrong:
+            # not a clean target on this machine: its bf16 kernel is wrong, and driftcheck said
+            # where (a true positive; bench/kernel_check.py)
+            case.update(verdict="n/a", error=f"this machine's bf16 kernel of {fd['module']} is wrong "
+                                              "(bench/kernel_check.py); driftcheck named it")
     except Exception as e:
         _check_timeout()
         msg = one_line(e)

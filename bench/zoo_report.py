@@ -190,7 +190,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"torch {meta.get('torch')}, modes {meta.get('modes')}, {meta.get('jobs')} job(s), "
            f"{meta.get('wall_secs', 0) / 60:.1f} min wall", "",
            ] + _section("Clean controls (false alarms = failed or errored verdicts / architectures)",
-                        "| control | mode | local replay | cases | fail | error | model cannot run it | false-alarm rate | worst ratio |")[1:]
+                        "| control | mode | local replay | cases | fail | error | not a clean run (model or machine) | false-alarm rate | worst ratio |")[1:]
     for c in s["controls"]:
         out.append(f"| {c['control']} | {c['mode']} | {_loc(c['local'])} | {c['cases']} | {c['fail']} | "
                    f"{c['error']} | {c.get('n/a', 0)} | {100 * c['rate']:.1f}% | {_fmt(c['worst'])} |")

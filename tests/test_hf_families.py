@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from hf_families import run_family  # noqa: E402
+from kernel_check import wrong_bf16_convs  # noqa: E402
 
 from driftcheck import hf  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
@@ -34,6 +35,13 @@ def test_family_bf16_passes_and_fault_is_localized(family, tmp_path):
     r = run_family(f"hf:{family}", tmp_path)
     assert r["localized"], r
     assert r["tensors"] > 50
+    wrong = wrong_bf16_convs(load_scenario(f"hf:{family}").model)
+    if wrong:
+        # this machine's bf16 kernel is wrong (PyTorch's oneDNN grouped conv1d on AMX CPUs:
+        # bench/kernel_check.py): the verdict must say so, at that convolution
+        fd = r["report"].first_divergence or {}
+        assert r["verdict"] == "fail" and fd.get("module") in wrong, (wrong, fd)
+        return
     assert not r["errors"], r
     assert r["verdict"] == "pass", r
     sums = {f.module for f in r["report"].findings if f.kind == "precision.low_precision_sum"}

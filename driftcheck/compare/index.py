@@ -140,6 +140,10 @@ class DependencyIndex:
                 if anc is None:
                     deps += self.loss.get(s, [])
             deps += self.fwd_out.get(call, [])
+            # An output the call's own later children consumed too (IntermediateLayerGetter's
+            # features feed its next layers): their input gradients, recorded before this one,
+            # are terms of it.
+            deps += [g for g in self.child_gins(call) if g.order < e.order]
             inside = self.made_inside(e)
             if inside:  # a cache tensor: its gradient came through the call that made it
                 deps += inside

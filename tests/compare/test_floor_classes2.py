@@ -176,3 +176,120 @@ def test_contrastive_loss_over_scaled_logits_pass(tmp_path, mode):
 def test_contrastive_tower_fault_still_caught(tmp_path):
     rep = _pair(tmp_path, _tt, dtype="fp32", hooks=scale_output("a.2", 1.01), local=False)
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "a.2", rep.decided_by
+
+
+# -- an output its own module's later children consume too (torchvision's IntermediateLayerGetter) --
+class _Getter(nn.Module):
+    """Returns the features of two stages; the first also feeds the second inside this module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.s2 = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+                                nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+
+    def forward(self, x):
+        f1 = self.s1(x)
+        return {"0": f1, "1": self.s2(f1)}
+
+
+class _GetterNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Getter()
+        self.head0 = nn.Conv2d(8, 4, 1)
+        self.head1 = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        f = self.body(x)
+        return self.head0(f["0"]).mean() * 1e-2 + self.head1(f["1"]).pow(2).mean()
+
+
+def _getter(seed=0):
+    return _scenario(_GetterNet, lambda g: torch.randn(2, 3, 16, 16, generator=g), lambda out, b: out, seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_output_gradient_with_a_share_from_inside_pass(tmp_path, mode):
+    """tv_fpn_mobilenet: the backbone's first feature map also feeds its next stages, so its
+    output gradient is the FPN's share plus the share of those stages' input gradients (recorded
+    before it); it inherited only the FPN's (4.7 in bf16)."""
+    rep = _pair(tmp_path, _getter, mode=mode)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- the same values recorded twice: an nn.Identity's input is the conv output before it ----------
+class _CancellingBlock(nn.Module):
+    """A 1x1 conv whose output cancels (two near-equal channels, weights of opposite sign: 1% of
+    its terms), then an nn.Identity (timm's drop_path at rate 0) and a residual."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv3 = nn.Conv2d(2 * c, c, 1, bias=False)
+        with torch.no_grad():
+            v = torch.randn(c, c, 1, 1) * 0.3
+            self.conv3.weight.copy_(torch.cat([v, -v], 1))
+        self.drop_path = nn.Identity()
+
+    def forward(self, x):
+        h = self.conv1(x)
+        a = torch.cat([h, h + 0.01 * torch.tanh(h)], 1)
+        return x + self.drop_path(self.conv3(a)) * 30.0
+
+
+def _skip(seed=0):
+    net = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _CancellingBlock(),  # noqa: E731
+                                nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+    return _scenario(net, lambda g: torch.randn(2, 3, 8, 8, generator=g), lambda out, b: out.pow(2).mean(),
+                     seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_identity_of_a_cancelling_conv_pass(tmp_path, mode):
+    """timm_nfnet: a conv's output far smaller than its terms carries an error of their size (its
+    floor's scale); the nn.Identity after it records the very same values as its input, which
+    were judged relative to their own small value (20x) instead of carrying the conv's error."""
+    rep = _pair(tmp_path, _skip, mode=mode)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_identity_input_fault_still_caught(tmp_path):
+    rep = _pair(tmp_path, _skip, dtype="fp32", hooks=scale_output("1.drop_path", 1.01), local=False)
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "1.drop_path", rep.decided_by
+
+
+# -- from samples: an error a few rows carry, passed on ------------------------------------------
+class _WideLeVit(nn.Module):
+    """LeViT's Linear + BatchNorm1d over two values per channel, 512 channels wide: the channels
+    whose two values lie close make the Linear's gradient pure noise in their rows only."""
+
+    def __init__(self, d: int = 32, h: int = 512) -> None:
+        super().__init__()
+        from test_floor_classes import _LinearNorm, _NormLinear
+
+        self.ln1, self.ln2, self.head = _LinearNorm(d, h), _LinearNorm(h, d), _NormLinear(d, 4)
+
+    def forward(self, x):  # (B, 1, d)
+        h = x + self.ln2(F.hardswish(self.ln1(x)))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("seed", [3, 5])
+def test_sparse_noise_rows_from_samples_pass(tmp_path, seed):
+    """timm_levit in stats mode: what an entry passes on came from its 512-element sample, which
+    can miss the few noisy rows that the next entry's sample meets (an Adam moment at 27-422, a
+    weight gradient at 9.3). What is passed on is now at least the gap of the two runs'
+    whole-tensor rms, which no sample can miss."""
+    rep = _pair(tmp_path, lambda: _scenario(_WideLeVit, lambda g: torch.randn(2, 1, 32, generator=g),
+                                            lambda out, b: out.float().pow(2).mean(), seed=seed),
+                mode="stats", local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_sparse_noise_rows_fault_still_caught_from_samples(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_WideLeVit, lambda g: torch.randn(2, 1, 32, generator=g),
+                                            lambda out, b: out.float().pow(2).mean(), seed=3),
+                dtype="fp32", mode="stats", local=False, hooks=scale_output("ln2.linear", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "ln2.linear", rep.first_divergence
+
