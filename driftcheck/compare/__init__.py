@@ -14,6 +14,7 @@ from driftcheck import metrics as mx
 from driftcheck.compare.entries import entries_of
 from driftcheck.compare.findings import Findings
 from driftcheck.compare.index import DependencyIndex
+from driftcheck.compare.inheritance import Inheritance
 from driftcheck.compare.judge import Judging
 from driftcheck.compare.kinks import Kinks
 from driftcheck.compare.magnitude import Magnitudes
@@ -32,7 +33,7 @@ from driftcheck.store.reader import TraceReader
 __all__ = ["Comparison", "compare"]
 
 
-class Comparison(Judging, Kinks, Scales, Magnitudes, Norms, Measuring, Findings, Verdict):
+class Comparison(Judging, Inheritance, Kinks, Scales, Magnitudes, Norms, Measuring, Findings, Verdict):
     """One comparison of a target trace against a reference (optionally a float64 truth)."""
 
     def __init__(self, ref: TraceReader, tgt: TraceReader, *, policy: Policy | None = None,
