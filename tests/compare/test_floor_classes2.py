@@ -13,6 +13,7 @@ from driftcheck.compare import compare
 from driftcheck.compare.norms import group_length
 from driftcheck.faults import scale_output
 from driftcheck.record.runner import record
+from test_floor_classes import _pair, _worst  # noqa: F401  (the same protocol)
 
 
 def _scenario(model_fn, inputs_fn, loss, steps: int = 2, seed: int = 0, lr: float = 1e-3) -> Scenario:
@@ -21,29 +22,6 @@ def _scenario(model_fn, inputs_fn, loss, steps: int = 2, seed: int = 0, lr: floa
     g = torch.Generator().manual_seed(seed + 1)
     return Scenario(model=model, inputs=[inputs_fn(g) for _ in range(steps)], loss=loss,
                     optimizer=lambda p: torch.optim.AdamW(p, lr=lr), steps=steps)
-
-
-def _pair(tmp_path, make, *, dtype="bf16", threads=None, local=True, mode="full", hooks=None):
-    ref, tgt = tmp_path / "ref", tmp_path / f"tgt-{dtype}-{threads}-{mode}-{local}"
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads[0] if threads else before)
-        if not ref.exists():
-            record(make(), ref, force=True)
-        ref_m = ref if mode == "full" else record(make(), tmp_path / f"ref-{mode}", force=True,
-                                                  replay=ref, mode=mode)
-        if threads:
-            torch.set_num_threads(threads[1])
-        record(make(), tgt, dtype="fp32" if threads else dtype, replay=ref, force=True,
-               local=ref if local else None, mode=mode, target_hooks=hooks)
-    finally:
-        torch.set_num_threads(before)
-    return compare(ref_m, tgt)
-
-
-def _worst(rep):
-    bad = [e for e in rep.entries if e.status != "ok"]
-    return [(e.key, e.ratio, e.local_ratio) for e in sorted(bad, key=lambda e: -(e.ratio or 0))[:3]]
 
 
 # -- a norm's statistics sum over its group: another summation order is sqrt(K) u apart -----------
