@@ -98,6 +98,8 @@ class LocalReplay:
             r = r.to(device=t.device, dtype=t.dtype) if t.is_floating_point() else r.to(t.device)
             # laid out as the live input (a channels_last map): a kernel may take another path,
             # and sum in another order, on another layout (diffusers' GroupNorm: 72 u apart)
+            if t.layout != torch.strided:
+                return r.clone()
             return torch.empty_like(t, dtype=r.dtype).copy_(r)
 
         r_args = substitute(args, "input", ref_input)
