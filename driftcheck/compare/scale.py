@@ -184,8 +184,9 @@ class Scales:
     def _norm_sum_allowance(self, r: TraceEntry) -> tuple[float, float]:
         """From samples a kernel's own sum cannot be measured: a norm kernel summing its
         parameter gradients in a low-precision dtype (its output gradient's) is allowed the worst
-        case full mode clips its measured loss to, K u |sum|, at most the sum itself (bf16 sums
-        of same-sign terms stagnate: timm_coatnet under autocast, 30% over 512 positions)."""
+        case full mode clips its measured loss to, K u times the larger of the sum and its terms'
+        l2 norm (bf16 sums of same-sign terms stagnate: timm_coatnet under autocast, 30% over 512
+        positions), at most the sum or that norm itself."""
         if self._owner_kind(r) not in ("norm", "batchnorm"):
             return 0.0, 0.0
         u_k = max([self._grad_output_u(r)] + ([dtypes.unit_roundoff(self.tgt_map[r.align].dtype)]
@@ -193,7 +194,13 @@ class Scales:
         if u_k <= LOW_PRECISION_U:
             return 0.0, 0.0
         share = min((self._grad_terms(r) or 1) * u_k, 1.0)
-        return share * rms_of(r.stats), share * (r.stats.get("absmax") or 0.0)
+        # A sum accumulated in u_k loses u_k |partial sum| at each add; partial sums of terms
+        # that cancel grow with the terms' l2 norm, not with the sum (hf_focalnet's last
+        # LayerNorm bias, 4x its own size over 128 positions in bf16): K u_k times the larger.
+        value = rms_of(r.stats)
+        scale = max(value, self._magnitude(r))
+        absmax = r.stats.get("absmax") or 0.0
+        return share * scale, share * absmax * (scale / value if value > 0 else 1.0)
 
     def _state_from_grad(self, r: TraceEntry) -> tuple[float, float]:
         """The error an optimizer's running moment takes from its gradient's, in absolute
