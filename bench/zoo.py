@@ -199,12 +199,13 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
                 res.update(status="error", error=f"reference: {one_line(e)}")
                 return res
         refs = {"full": ref, "stats": ref_stats}
+        wrong = tuple(wrong_bf16_convs(pristine.model))  # this machine's bf16 kernel, checked once
         floors: dict[str, float] = {}
         for mode in modes:
             for control in controls:
                 for local in locals_:
                     res["controls"].append(_case(pristine, build, name, refs, root, mode, local,
-                                                 control=control, floors=floors))
+                                                 control=control, floors=floors, wrong_convs=wrong))
             for local in locals_:
                 res["faults"].append(_case(pristine, build, name, refs, root, mode, local,
                                            fault=res["fault_module"], floors=floors))
@@ -216,7 +217,7 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
 
 def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: dict[str, Path],
           root: Path, mode: str, local: bool, control: str | None = None, fault: str | None = None,
-          floors: dict[str, float] | None = None) -> dict[str, Any]:
+          floors: dict[str, float] | None = None, wrong_convs: tuple[str, ...] = ()) -> dict[str, Any]:
     opts = dict(CONTROLS[control]) if control else {}
     threads = opts.pop("threads", 1)
     out = root / "target"
@@ -230,9 +231,8 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
                    **opts)
         rep = compare(refs[mode], out)
         case.update(summarize_report(rep))
-        wrong = wrong_bf16_convs(pristine.model) if control in ("bf16", "autocast") else []
         fd = rep.first_divergence or {}
-        if wrong and rep.verdict == "fail" and fd.get("module") in wrong:
+        if control in ("bf16", "autocast") and rep.verdict == "fail" and fd.get("module") in wrong_convs:
             # not a clean target on this machine: its bf16 kernel is wrong, and driftcheck said
             # where (a true positive; bench/kernel_check.py)
             case.update(verdict="n/a", error=f"this machine's bf16 kernel of {fd['module']} is wrong "

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.measure import rms_of
+from driftcheck.compare.norms import through_norm
 from driftcheck.compare.propagation import Propagated
 
 REL_LINEAR_CAP = 1e12  # a linear map passes on any relative error (finite: the floor stays a number)
@@ -74,8 +75,7 @@ class Inheritance:
         meta = r.meta
         inh_rms = max((x.rel_rms for x in inh), default=0.0)
         inh_max = max((x.rel_max for x in inh), default=0.0)
-        if meta.get("kind") in ("norm", "batchnorm") and (r.phase, r.slot[:6]) in (
-                ("forward", "output"), ("backward", "grad_i")):
+        if through_norm(r):
             # A norm divides by its input's spread: what counts is the error relative to the
             # input's value, not to the operand magnitude it came with (mu > 1 where it cancelled).
             inh_rms = max(inh_rms, max((min(x.rel_rms * x.mu, fl.REL_CAP) for x in inh), default=0.0))

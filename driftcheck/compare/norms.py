@@ -8,12 +8,14 @@ y = gamma (x - mean) / sigma + beta moves, to first order, by
 
 per normalization group. Its statistics sum over each group (the group's length K), so two
 correct kernels that sum in another order (another thread count, another blocking) differ by
-about sqrt(K) u in them: the floor's K for a norm's output and input gradient. A relative error taken over the whole input assumes each group's error
-is in proportion to its own size; a group far smaller than the rest (a distillation token of
+about sqrt(K) u in them: the floor's K for a norm's output and input gradient. A relative error
+taken over the whole input assumes each group's error is in proportion to its own size; a group far smaller than the rest (a distillation token of
 std 0.002 in a stream of rms 0.26, whose parameter Adam stepped by +-lr) can carry 35% of its
 own size and is divided by that small spread.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,8 +29,7 @@ class Norms:
         """The length of a norm call's groups (what its mean and variance sum over) for its
         output and its input gradients, from the layout its forward output recorded; None for
         other entries and where no layout was recorded (or it does not fit the shape)."""
-        if r.meta.get("kind") not in ("norm", "batchnorm") or (r.phase, r.slot[:6]) not in (
-                ("forward", "output"), ("backward", "grad_i")):
+        if not through_norm(r):
             return None
         out = next((e for e in self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
                     if e.meta.get("norm_dims")), None)
@@ -97,21 +98,21 @@ class Norms:
         return None
 
 
+def through_norm(r: TraceEntry) -> bool:
+    """Whether ``r`` is a norm call's output or input gradient (what passes through the norm)."""
+    return r.meta.get("kind") in ("norm", "batchnorm") and (r.phase, r.slot[:6]) in (
+        ("forward", "output"), ("backward", "grad_i"))
+
+
 def group_length(shape: list[int], dims: list[int], groups: int | None) -> int | None:
     """How many elements one normalization group of a tensor of ``shape`` holds: the product of
     ``dims`` (after reshaping to (N, groups, -1) where ``groups`` is given); None where the
     layout does not fit the shape."""
     if groups:
-        if len(shape) < 2 or shape[0] <= 0 or int(groups) <= 0 or shape[1] % int(groups):
+        g = int(groups)
+        if len(shape) < 2 or shape[0] <= 0 or g <= 0 or shape[1] % g or list(dims) != [2]:
             return None
-        n = 1
-        for d in shape:
-            n *= int(d)
-        k, rest = divmod(n, shape[0] * int(groups))
-        return k if k > 0 and rest == 0 and list(dims) == [2] else None
+        return math.prod(shape[1:]) // g or None
     if not dims or any(not isinstance(d, int) or not -len(shape) <= d < len(shape) for d in dims):
         return None
-    k = 1
-    for d in dims:
-        k *= int(shape[d])
-    return k or None
+    return math.prod(shape[d] for d in dims) or None

@@ -297,7 +297,8 @@ def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: boo
 
 class LogitWatch(TorchFunctionMode):
     """While active, ``on_logits(absmax)`` gets the weighted |logit| max of every softmax,
-    cross-entropy and scaled_dot_product_attention call (a device scalar: no sync), and ``on_ctc(frames)`` the
+    cross-entropy and scaled_dot_product_attention call (a device scalar: no sync), and
+    ``on_ctc(frames)`` the
     time length of every CTC loss."""
 
     def __init__(self, on_logits: Callable[[torch.Tensor], None],
@@ -310,18 +311,15 @@ class LogitWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
         try:
-            if name in _SOFTMAX:
+            if name in _SOFTMAX or name == "cross_entropy":
                 x = args[0] if args else kwargs.get("input")
-                dim = args[1] if len(args) > 1 else kwargs.get("dim")
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+                    if name == "cross_entropy":  # its softmax runs over the class dim
+                        dim = 1 if x.dim() >= 2 else 0
+                    else:
+                        dim = args[1] if len(args) > 1 else kwargs.get("dim")
                     with torch.no_grad():
                         self.on_logits(_weighted_absmax(x, dim if isinstance(dim, int) else -1))
-            elif name == "cross_entropy":
-                # softmax over the class dim (1, or 0 for one unbatched row) inside the loss
-                x = args[0] if args else kwargs.get("input")
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-                    with torch.no_grad():
-                        self.on_logits(_weighted_absmax(x, 1 if x.dim() >= 2 else 0))
             elif name == "ctc_loss" and self.on_ctc is not None:
                 lp = args[0] if args else kwargs.get("log_probs")
                 if isinstance(lp, torch.Tensor) and lp.dim() >= 2:

@@ -38,6 +38,7 @@ from driftcheck.store.writer import TraceWriter
 
 SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
 _SELECTED_BY = {"params": "forward", "loss": "forward"}  # phases --phases does not name
+LOSS_CODE = ("", -1)  # the (module, call) key of what the loss code computes, outside any module
 
 
 class Tracer(ForwardHooks, BackwardHooks, Capturing):
@@ -141,7 +142,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         if self._replaying or not self._active:
             return
         # outside any module: the loss code (its softmax makes the model's output gradients)
-        key = self._stack[-1] if self._stack else ("", -1)
+        key = self._stack[-1] if self._stack else LOSS_CODE
         prev = self._logits.get(key)
         self._logits[key] = absmax if prev is None else torch.maximum(prev, absmax)
 
@@ -230,7 +231,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Capture the step's loss (phase ``loss``)."""
-        logits = self._logits.pop(("", -1), None)
+        logits = self._logits.pop(LOSS_CODE, None)
         if self._capturing("loss") and isinstance(loss, torch.Tensor):
             self._capture("", "loss", 0, "loss", loss,
                           dev_meta={"logit_absmax": logits} if logits is not None else None)
