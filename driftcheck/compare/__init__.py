@@ -12,6 +12,7 @@ from typing import Callable
 
 from driftcheck import metrics as mx
 from driftcheck.compare.entries import entries_of
+from driftcheck.compare.decisions import Decisions
 from driftcheck.compare.findings import Findings
 from driftcheck.compare.index import DependencyIndex
 from driftcheck.compare.inheritance import Inheritance
@@ -33,7 +34,7 @@ from driftcheck.store.reader import TraceReader
 __all__ = ["Comparison", "compare"]
 
 
-class Comparison(Judging, Inheritance, Kinks, Scales, Magnitudes, Norms, Measuring, Findings, Verdict):
+class Comparison(Judging, Inheritance, Decisions, Kinks, Scales, Magnitudes, Norms, Measuring, Findings, Verdict):
     """One comparison of a target trace against a reference (optionally a float64 truth)."""
 
     def __init__(self, ref: TraceReader, tgt: TraceReader, *, policy: Policy | None = None,
@@ -57,6 +58,9 @@ class Comparison(Judging, Inheritance, Kinks, Scales, Magnitudes, Norms, Measuri
         self.warnings: list[str] = []
         self.errors: dict[tuple, Propagated] = {}  # align key -> what later entries inherit
         self._floors: dict[tuple, tuple[float, float]] = {}  # optimizer entries: (rms, max) floor
+        self._flipped: dict[int, str] = {}  # step -> key of a computed index that flipped, legitimately
+        self._flip_share: dict[tuple, float] = {}  # align key -> share of an index tensor that flipped
+        self._rerouted_by: dict[str, Finding] = {}  # flipped decision -> its alignment.rerouted
         self.ref_entries, self.tgt_entries = entries_of(ref), entries_of(tgt)
         self.truth_entries = entries_of(truth) if truth is not None else []
 

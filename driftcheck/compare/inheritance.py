@@ -133,6 +133,18 @@ class Inheritance:
                 if d.phase == "backward" or (weight and d.phase == "forward" and d.slot.startswith("input")):
                     inh_rms = max(inh_rms, _linear_rel(x.rms, x.mu * rms_of(d.stats)))
                     inh_max = max(inh_max, _linear_rel(x.max, x.mu * (d.stats.get("absmax") or 0.0)))
+        if r.phase == "backward" and r.slot.startswith("grad_input") and ref_max > 0 \
+                and r.meta.get("kind") in ("linear", "conv"):
+            # Its input gradient is g W: an error in one element of g (a kink flip after the
+            # layer) reaches each input it touches times one weight, |W|max at most, wherever
+            # that lands relative to the gradient's own max (timm_fastvit's depthwise 1x1 conv:
+            # a flip at a channel of weight ~1 where the largest gradient had a small one, 3.86).
+            w = self.ref_index.by_align.get((r.step, "params", r.module, 0, "param.weight"))
+            w_max = (w.stats.get("absmax") or 0.0) if w is not None else 0.0
+            for d, x in zip(deps, inh):
+                if w_max and d.phase == "backward" and d.module == r.module \
+                        and d.slot.startswith("grad_output"):
+                    inh_max = max(inh_max, _linear_rel(x.max * w_max, ref_max))
         if r.phase == "optimizer" and r.slot.endswith(SQUARED_STATE):
             # a second moment squares the gradient: twice its relative error, before KAPPA
             inh_rms, inh_max = 2.0 * inh_rms, 2.0 * inh_max

@@ -32,11 +32,16 @@ class Judging:
         base = dict(key=r.key, module=r.module, phase=r.phase, step=r.step,
                     call=r.call, slot=r.slot, order=r.order, limit=limit)
         if list(r.shape) != list(t.shape):
+            self.errors[a] = WRONG
+            flip = self._rerouted(r, t)
+            if flip is not None:
+                self._note_rerouted(r, t, flip)
+                return Entry(**base, metrics={}, floor=None, ratio=None, status=OK,
+                             rule=f"shape follows {flip}, which flipped on near ties")
             self.findings.append(Finding(
                 "alignment.shape_mismatch", r.module, r.step,
                 f"{r.key}: reference shape {r.shape}, target shape {t.shape}",
                 phase=r.phase, key=r.key))
-            self.errors[a] = WRONG
             return Entry(**base, metrics={}, floor=None, ratio=None, status=MISALIGNED, rule=rule)
         if dtypes.measure_kind(r.dtype) != dtypes.measure_kind(t.dtype):
             self.findings.append(Finding(
@@ -92,6 +97,11 @@ class Judging:
         inh = [self.errors.get(d.align, NONE) for d in deps]
         inh_rms, inh_max = self._inherited(r, how, deps, inh, ref_rms, ref_max, scale_rms, scale_max,
                                            gain, gain_max, details)
+        flipped = self._flip_sparse(deps) if how != "full" else 0.0
+        if flipped:
+            # rows looked up by indices that flipped (a sample shows few): whole rows swapped
+            details["flip_estimate"] = flipped
+            inh_rms, inh_max = max(inh_rms, flipped), max(inh_max, fl.REL_CAP)
         u, u_acc = self._u(r, t)
         if r.phase == "grads" and self._owner_kind(r) in ("norm", "batchnorm"):
             # A norm kernel's backward sums its parameters' gradients in the storage dtype
@@ -172,7 +182,7 @@ class Judging:
             # Sparse errors (kink flips) that a sample rarely holds: estimated where they enter,
             # then passed on to everything measured on samples downstream, as measured errors
             # are in full mode (a layer's gradient sums over the flips of the one above).
-            sparse = max((x.sparse for x in inh), default=0.0)
+            sparse = max(max((x.sparse for x in inh), default=0.0), flipped)
             if r.phase == "backward" and r.slot.startswith(("grad_input", "grad_output")):
                 flips = self._kink_estimate(r, judged.get("kink_flips"))
                 if flips:
@@ -227,20 +237,29 @@ class Judging:
                        details: dict[str, Any], ignore: str | None) -> Entry:
         """Integer tensors: inputs, buffers and counters must match exactly. Integers a module
         computes (top-k expert indices, argmax) may flip where their float scores tie within
-        rounding: a few percent of them may differ; more is a defect."""
+        rounding: as many as the reference's decisions had margins within their scores' error
+        (compare/decisions.py), and at least FLIP_BASE of them; more is a defect."""
         mismatched = m.get("frac_outside", 0.0) if m.get("max_abs", 0.0) > 0 else 0.0
         computed = r.phase == "forward" and (r.slot.startswith("output")
                                                 or r.meta.get("parent") is not None)
         if m.get("nonfinite_mismatch"):
             mismatched = 1.0
-        allowed = 0.05 if computed else 0.0
+        allowed, how = self._flips_allowed(r) if computed else (0.0, None)
+        if how is not None:
+            details["decisions"] = how
         ok = mismatched <= allowed
         details["integer_mismatch_fraction"] = mismatched
         status = OK if ok else DRIFT
         if ignore and not ok:
             status = IGNORED
-        rule = ignore or ("computed integers may flip on near-ties (<= 5% of elements)" if computed
-                          else "integer tensors must match exactly")
+        if computed:
+            share = self._flip_share_bound(r, mismatched, details.get("measured_on"), how)
+            if share > 0:
+                self._flip_share[r.align] = share
+        if computed and ok and mismatched > 0:
+            self._flipped.setdefault(r.step, r.key)
+        rule = ignore or (f"computed integers may flip on near ties (<= {allowed:.1%} of elements)"
+                          if computed else "integer tensors must match exactly")
         return Entry(**base, metrics=m, floor=0.0, ratio=0.0 if mismatched == 0 else
                      (mismatched / allowed if allowed else math.inf), status=status,
                      decided_by="exact", rule=rule, details=details)

@@ -112,6 +112,9 @@ class ForwardHooks:
             logits = self._logits.pop((name_, call), None)
             if logits is not None:
                 dev_meta = dict(dev_meta or {}, logit_absmax=logits)
+            decisions = self._decisions.pop((name_, call), None)
+            if decisions is not None:  # the indices its code computed, by margin (record/watch.py)
+                dev_meta = dict(dev_meta or {}, decision_profile=decisions)
             ctc = self._ctc.pop((name_, call), None)
             if ctc:  # this call's code computed a CTC loss over that many frames
                 ctx = dict(ctx, ctc_frames=ctc)

@@ -1,18 +1,17 @@
 """What the tracer records about a module besides its tensors: its kind, reduction lengths and
-operand magnitudes (the noise floor's inputs), its kinks or selection, the kink profile of a
-ReLU's input, and the largest softmax logit its code computed (LogitWatch).
+operand magnitudes (the noise floor's inputs), its kinks or selection, and the kink profile of
+a ReLU's input (what the module's code computes inside is watched by record/watch.py).
 
 Computed on the tensors' device with no host sync; compare reads them from each entry's meta.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 
 def floating(t: torch.Tensor) -> bool:
@@ -254,85 +253,3 @@ def kink_profile_of(d: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
         k = torch.where(a < 0, KINK_BINS + 1, k)
         hist = torch.bincount(k.reshape(-1), minlength=KINK_BINS + 2)[:KINK_BINS + 1]
         return hist.flip(0).cumsum(0).flip(0)  # counts[k] = elements in bins >= k
-
-
-# Softmax amplifies the rounding of its logits: a logit x carries u|x| of error, and exp turns
-# it into a relative error u|x| of its weight (attention logits reach 100+). The largest
-# |logit| that carries weight is recorded per module call (the module running the softmax).
-_SOFTMAX = frozenset({"softmax", "log_softmax", "_softmax", "_log_softmax"})
-LOGIT_SPAN = 40.0  # logits more than this below their row's max have no weight (e^-40)
-_SDPA_BLOCK = 1 << 24  # logits recomputed for scaled_dot_product_attention, elements at a time
-
-
-def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| over the elements within LOGIT_SPAN of their row's max (masked ones are not)."""
-    x = x.detach().float()
-    top = x.amax(dim=dim, keepdim=True)
-    keep = torch.isfinite(x) & (x >= top - LOGIT_SPAN)
-    return torch.where(keep, x.abs(), torch.zeros((), device=x.device)).amax()
-
-
-def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: bool,
-                        scale: float | None) -> torch.Tensor:
-    """The weighted |logit| max of scaled_dot_product_attention, recomputed in row blocks."""
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.dim() >= 3 and k.dim() == q.dim() and q.shape[-3] != k.shape[-3] \
-            and q.shape[-3] % k.shape[-3] == 0:  # grouped-query attention
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    lq, lk = q.shape[-2], k.shape[-2]
-    rows = max(1, _SDPA_BLOCK // max(1, lk * (q.numel() // max(1, q.shape[-1] * lq))))
-    best = torch.zeros((), device=q.device)
-    kt = k.detach().float().transpose(-1, -2)
-    for lo in range(0, lq, rows):
-        s = (q.detach()[..., lo:lo + rows, :].float() @ kt) * scale
-        if causal:
-            i = torch.arange(lo, min(lo + rows, lq), device=q.device)[:, None]
-            s = s.masked_fill(torch.arange(lk, device=q.device)[None, :] > i + (lk - lq), -math.inf)
-        if isinstance(mask, torch.Tensor):
-            mk = mask[..., lo:lo + rows, :] if mask.dim() >= 2 and mask.shape[-2] == lq else mask
-            s = s.masked_fill(~mk, -math.inf) if mk.dtype == torch.bool else s + mk.float()
-        best = torch.maximum(best, _weighted_absmax(s, -1))
-    return best
-
-
-class LogitWatch(TorchFunctionMode):
-    """While active, ``on_logits(absmax)`` gets the weighted |logit| max of every softmax,
-    cross-entropy and scaled_dot_product_attention call (a device scalar: no sync), and
-    ``on_ctc(frames)`` the
-    time length of every CTC loss."""
-
-    def __init__(self, on_logits: Callable[[torch.Tensor], None],
-                 on_ctc: Callable[[int], None] | None = None) -> None:
-        super().__init__()
-        self.on_logits = on_logits
-        self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", None)
-        try:
-            if name in _SOFTMAX or name == "cross_entropy":
-                x = args[0] if args else kwargs.get("input")
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-                    if name == "cross_entropy":  # its softmax runs over the class dim
-                        dim = 1 if x.dim() >= 2 else 0
-                    else:
-                        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-                    with torch.no_grad():
-                        self.on_logits(_weighted_absmax(x, dim if isinstance(dim, int) else -1))
-            elif name == "ctc_loss" and self.on_ctc is not None:
-                lp = args[0] if args else kwargs.get("log_probs")
-                if isinstance(lp, torch.Tensor) and lp.dim() >= 2:
-                    self.on_ctc(int(lp.shape[0]))  # (T, N, C) or (T, C): no sync
-            elif name == "scaled_dot_product_attention":
-                q = args[0] if args else kwargs.get("query")
-                k = args[1] if len(args) > 1 else kwargs.get("key")
-                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-                causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-                if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.numel():
-                    with torch.no_grad():
-                        scale = args[6] if len(args) > 6 else kwargs.get("scale")
-                        self.on_logits(_sdpa_logits_absmax(q, k, mask, bool(causal), scale))
-        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
-            pass  # a layout this does not know: the floor goes without the amplification
-        return func(*args, **kwargs)

@@ -30,7 +30,7 @@ from driftcheck.record import ranks
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
-from driftcheck.record.meta import LogitWatch
+from driftcheck.record.watch import LogitWatch
 from driftcheck.record.metadata import run_metadata
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
@@ -130,13 +130,20 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
     def logit_watch(self) -> LogitWatch:
         """A torch function mode to run the forward under: the largest softmax logit of each
         module call goes into its output's meta (``logit_absmax``, a floor input)."""
-        return LogitWatch(self._on_logits, self._on_ctc)
+        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision)
 
     def _on_ctc(self, frames: int) -> None:
         if self._replaying or not self._stack or not self._active:
             return
         key = self._stack[-1]
         self._ctc[key] = max(self._ctc.get(key, 0), frames)
+
+    def _on_decision(self, profile: torch.Tensor) -> None:
+        if self._replaying or not self._active:
+            return
+        key = self._stack[-1] if self._stack else LOSS_CODE
+        prev = self._decisions.get(key)
+        self._decisions[key] = profile if prev is None else prev + profile
 
     def _on_logits(self, absmax: torch.Tensor) -> None:
         if self._replaying or not self._active:
@@ -220,6 +227,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._bn_before: dict[tuple[str, int], Any] = {}
         self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
         self._ctc: dict[tuple[str, int], int] = {}  # (module, call) -> frames of its CTC loss
+        self._decisions: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> margin counts
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
         self._span_start: dict[tuple[str, int], int] = {}  # a call's first sequence number

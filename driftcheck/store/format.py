@@ -58,7 +58,7 @@ def base_slot(slot: str) -> str:
 # fail_on and ignore kinds are checked against. tests/test_architecture.py keeps it complete.
 FINDING_KINDS = frozenset({
     "alignment.dtype_mismatch", "alignment.extra_in_target", "alignment.missing_in_target",
-    "alignment.shape_mismatch",
+    "alignment.rerouted", "alignment.shape_mismatch",
     "batchnorm.counter_not_advanced", "batchnorm.counter_wrong", "batchnorm.running_stats_not_updated",
     "batchnorm.running_stats_wrong", "batchnorm.updated_in_eval",
     "inplace.base_not_updated", "inplace.value_mismatch",

@@ -301,3 +301,41 @@ def test_norm_bias_summed_in_bf16_over_cancelling_terms_from_samples_pass(tmp_pa
     norm, not with their small total: the allowance now takes the larger of the two."""
     rep = _pair(tmp_path, lambda: _pooled_head(seed), mode="stats", local=False)
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+# -- a kink flip after a per-channel scaling: the input gradient's max is not where the flip is ------
+class _Depthwise(nn.Module):
+    """A depthwise 1x1 conv with one channel of weight 1 among weights of 0.01, then a depthwise
+    3x3 conv, a ReLU and a gain 100x larger on the small-weight channels: the 1x1's output
+    gradient is largest where its weights are small, while ReLU flips reach the channel of
+    weight 1 as sparse errors (timm_fastvit's conv_scale, 3.86)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.dw = nn.Conv2d(8, 8, 1, groups=8, bias=False)
+        self.dw2 = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        with torch.no_grad():
+            self.dw.weight.fill_(0.01)
+            self.dw.weight[0] = 1.0
+        self.register_buffer("gain", torch.tensor([1.0] + [100.0] * 7).reshape(1, 8, 1, 1))
+
+    def forward(self, x):
+        return F.relu(self.dw2(self.dw(self.conv(x)))) * self.gain
+
+
+def _dw(seed=0):
+    # a loss linear in the output: the gradient does not vanish at the kink
+    return _scenario(_Depthwise, lambda g: torch.randn(8, 3, 16, 16, generator=g),
+                     lambda out, b: out.float().mean(), seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_kink_flip_through_a_per_channel_weight_pass(tmp_path, mode):
+    rep = _pair(tmp_path, _dw, mode=mode)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_depthwise_fault_still_caught(tmp_path):
+    rep = _pair(tmp_path, _dw, dtype="fp32", local=False, hooks=scale_output("dw", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "dw", rep.decided_by

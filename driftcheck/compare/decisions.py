@@ -1,0 +1,135 @@
+"""Decisions: indices a module's code computes (argmax, top-k, sort) flip between two runs where
+their scores tie within rounding, and what follows a flip (methods of the Comparison).
+
+- How many may flip: the reference recorded, per module call, its decisions' margins (the gap to
+  the nearest rival score, record/watch.py). A score carries about its inputs' error; a decision
+  whose margin is within DECISION_SPREAD times that error may go either way.
+- A token routed to another expert changes how many tokens each expert sees: such an expert's
+  tensors differ in shape along one dimension. After a flip judged legitimate in the same step,
+  that is a consequence, not a defect: the entry is not measured at that step (the module is
+  judged where both runs route alike) and what depends on it inherits a full error.
+- In stats mode, a consumer of flipped indices (an embedding lookup of VQ codes) carries a sparse
+  error a sample rarely holds: sqrt(2 p) of its rms for a share p of rows swapped for another.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from driftcheck import dtypes
+from driftcheck.stats import SAMPLE_SIZE
+from driftcheck.compare.entries import TraceEntry
+from driftcheck.record.meta import KINK_BINS
+from driftcheck.report import Finding
+
+FLIP_BASE = 0.05  # a share of computed indices that may always differ (no margins recorded)
+FLIP_BOUND_HITS = 3  # a sample with k flips: k + 3 bounds the count at 95% (Poisson)
+DECISION_SPREAD = 4.0  # a decision within this many times its scores' error of a rival may flip
+
+
+def _deciding_call(r: TraceEntry) -> tuple[int, str, int] | None:
+    """The module call whose code computed integer entry ``r``: the module itself for its
+    output, the parent for a child's input."""
+    if r.slot.startswith("output"):
+        return (r.step, r.module, r.call)
+    parent = r.meta.get("parent")
+    if not parent:
+        return None
+    mod, _, call = parent.rpartition("#")
+    return (r.step, mod, int(call))
+
+
+def _one_dim_differs(a: list[int], b: list[int]) -> bool:
+    """Shapes of one rank that differ in exactly one dimension (tokens routed elsewhere)."""
+    return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
+
+
+class Decisions:
+    """The decisions part of :class:`driftcheck.compare.Comparison`."""
+
+    def _flips_allowed(self, r: TraceEntry) -> tuple[float, dict[str, Any] | None]:
+        """(share of integer entry ``r`` that may differ, how that was decided or None)."""
+        call = _deciding_call(r)
+        if call is None:
+            return FLIP_BASE, None
+        s = call[0]
+        counts: list[int] = []
+        own: list[int] = []  # the call's own code's decisions (not its children's)
+        err = 0.0
+        todo, seen = [call], set()
+        while todo:  # the call and the calls inside it
+            c = todo.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            for o in self.ref_index.fwd_out.get(c, []):
+                prof = o.meta.get("decision_profile")
+                if prof:
+                    counts = [x + y for x, y in zip(counts, prof)] if counts else list(prof)
+                    own = list(prof) if c == call else own
+            # the scores come from the call's inputs and the parameters of it and its children
+            for d in (self.ref_index.fwd_in.get(c, []) if c == call else []) \
+                    + self.ref_index.params.get((s, c[1]), []):
+                e = self.errors.get(d.align)
+                if e is not None and dtypes.is_float(d.dtype) and math.isfinite(e.rel_max):
+                    err = max(err, e.rel_max)
+            todo.extend((s, m, k) for m, k in self.ref_index.children.get(c, []))
+        if not counts or not counts[0] or err <= 0.0:
+            return FLIP_BASE, None
+        # margins are binned by 2 absmax(scores) 2^-k; the scores' error is ~ err absmax
+        k = math.floor(math.log2(2.0 / (DECISION_SPREAD * err))) if DECISION_SPREAD * err < 2.0 else 0
+        k = min(max(k, 0), KINK_BINS)
+        near = counts[k] / counts[0]
+        how = {"decisions": counts[0], "near_tie_share": near, "scores_rel_error": err,
+               "call": f"{call[1]}#{call[2]}"}
+        if own and own[0]:
+            how["own_near_tie_share"] = own[k] / own[0]
+        return max(FLIP_BASE, near), how
+
+    def _rerouted(self, r: TraceEntry, t: TraceEntry) -> str | None:
+        """The key of the flipped decision that explains a shape mismatch of ``r``, or None."""
+        flip = self._flipped.get(r.step)
+        if flip is None or not _one_dim_differs(list(r.shape), list(t.shape)):
+            return None
+        return flip
+
+    def _note_rerouted(self, r: TraceEntry, t: TraceEntry, flip: str) -> None:
+        """One warning per flipped decision: the modules whose tensors it reshaped."""
+        f = self._rerouted_by.get(flip)
+        if f is None:
+            f = self._rerouted_by[flip] = Finding(
+                "alignment.rerouted", r.module, r.step, "", severity="warning", phase=r.phase,
+                key=r.key, details={"decision": flip, "modules": [], "entries": 0,
+                                    "example": {"key": r.key, "reference_shape": list(r.shape),
+                                                "target_shape": list(t.shape)}})
+            self.findings.append(f)
+        d = f.details
+        d["entries"] += 1
+        if r.module not in d["modules"]:
+            d["modules"].append(r.module)
+        f.message = (f"{d['entries']} tensor(s) of {len(d['modules'])} module(s) changed shape after "
+                     f"{flip} flipped on near ties (e.g. {r.key}: reference {list(r.shape)}, "
+                     f"target {list(t.shape)}): routed otherwise, so not measured at this step "
+                     "(each module is judged at the steps where both runs route alike)")
+
+    def _flip_share_bound(self, r: TraceEntry, seen: float, measured_on: str | None,
+                          how: dict[str, Any] | None) -> float:
+        """The share of index tensor ``r`` that may have flipped, for what its consumers inherit
+        in stats mode: exact where every element was compared, else the share seen in the
+        sample raised to a 95% bound (FLIP_BOUND_HITS more hits), no more than the share of its
+        call's own decisions near a tie. 0 where nothing flipped and nothing was decided."""
+        own = (how or {}).get("own_near_tie_share")
+        if measured_on == "full" or (r.stats.get("numel") or 0) <= SAMPLE_SIZE:
+            return seen
+        if not seen and own is None:
+            return 0.0  # data passed through (token ids), not indices its code decided
+        bound = seen + FLIP_BOUND_HITS / SAMPLE_SIZE
+        return min(bound, own) if own is not None else bound
+
+    def _flip_sparse(self, deps: list[TraceEntry]) -> float:
+        """The relative rms error that flipped indices among ``deps`` bring (stats mode): a share
+        p of the rows a lookup reads swapped for another of the same size is sqrt(2 p) of its
+        rms, p from _flip_share_bound (a 512-element sample rarely holds one flip in a
+        thousand, yet a 3x3 conv after it spreads that flip nine times)."""
+        p = max((self._flip_share.get(d.align, 0.0) for d in deps), default=0.0)
+        return math.sqrt(min(2.0 * p, 1.0)) if p > 0 else 0.0
