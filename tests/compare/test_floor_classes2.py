@@ -339,3 +339,39 @@ def test_kink_flip_through_a_per_channel_weight_pass(tmp_path, mode):
 def test_depthwise_fault_still_caught(tmp_path):
     rep = _pair(tmp_path, _dw, dtype="fp32", local=False, hooks=scale_output("dw", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "dw", rep.decided_by
+
+
+# -- a mean the parent's code takes over a child's output whose terms cancel ---------------------
+class _GlobalContext(nn.Module):
+    """FocalNet's modulation: a global context, the mean of a map over its positions (20-30x
+    below the map's rms), through an activation module, gating the map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.act = nn.GELU()
+        self.gate = nn.GELU()
+        self.head = nn.Conv2d(16, 4, 1)
+        with torch.no_grad():  # inputs of mean 1: the bias cancels what the weights make of it
+            self.conv.bias.copy_(0.005 - self.conv.weight.sum((1, 2, 3)))
+
+    def forward(self, x):
+        h = self.conv(x + 1.0)
+        ctx = h.mean((2, 3), keepdim=True)
+        return self.head(self.act(h) * self.gate(ctx))
+
+
+def _gc(seed=0):
+    return _scenario(_GlobalContext, lambda g: torch.randn(8, 3, 32, 32, generator=g),
+                     lambda out, b: out.float().pow(2).mean(), seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mean_over_a_cancelling_map_pass(tmp_path, seed):
+    rep = _pair(tmp_path, lambda: _gc(seed))
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+
+
+def test_fault_before_the_mean_still_caught(tmp_path):
+    rep = _pair(tmp_path, _gc, dtype="fp32", local=False, hooks=scale_output("conv", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "conv", rep.decided_by
