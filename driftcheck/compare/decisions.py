@@ -17,10 +17,9 @@ import math
 from typing import Any
 
 from driftcheck import dtypes
-from driftcheck.stats import SAMPLE_SIZE
 from driftcheck.compare.entries import TraceEntry
-from driftcheck.record.meta import KINK_BINS
 from driftcheck.report import Finding
+from driftcheck.stats import SAMPLE_SIZE
 
 FLIP_BASE = 0.05  # a share of computed indices that may always differ (no margins recorded)
 FLIP_BOUND_HITS = 3  # a sample with k flips: k + 3 bounds the count at 95% (Poisson)
@@ -76,9 +75,10 @@ class Decisions:
             todo.extend((s, m, k) for m, k in self.ref_index.children.get(c, []))
         if not counts or not counts[0] or err <= 0.0:
             return FLIP_BASE, None
-        # margins are binned by 2 absmax(scores) 2^-k; the scores' error is ~ err absmax
+        # margins are counted by margin / (2 x their row's largest |score|) <= 2^-k, and a score
+        # carries ~err of that: a margin within DECISION_SPREAD err of it may flip
         k = math.floor(math.log2(2.0 / (DECISION_SPREAD * err))) if DECISION_SPREAD * err < 2.0 else 0
-        k = min(max(k, 0), KINK_BINS)
+        k = min(max(k, 0), len(counts) - 1)
         near = counts[k] / counts[0]
         how = {"decisions": counts[0], "near_tie_share": near, "scores_rel_error": err,
                "call": f"{call[1]}#{call[2]}"}

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from driftcheck.record.meta import backward_meta, floating
+from driftcheck.record.watch import own_work
 
 
 class BackwardHooks:
@@ -26,7 +27,7 @@ class BackwardHooks:
             if t.requires_grad and floating(t) and t.grad_fn is not None:
                 gslot = "grad_" + slot
                 gctx = dict(bctx, made_by=made_by[slot]) if made_by and slot in made_by else bctx
-                hook = self._make_grad_output_hook(name, call, gslot, gctx)
+                hook = own_work(self._make_grad_output_hook(name, call, gslot, gctx))
                 t.register_hook(hook)
                 if whole_base_node(t) is not None:
                     # An in-place op on a view (ReLU(inplace=True) after an N-d Linear) rebases
@@ -101,7 +102,7 @@ class BackwardHooks:
                 by_node.setdefault(id(node), []).append(i)
                 nodes[id(node)] = node
             for nid, idxs in by_node.items():
-                self._node_handles.append(nodes[nid].register_hook(acc.node_hook(idxs)))
+                self._node_handles.append(nodes[nid].register_hook(own_work(acc.node_hook(idxs))))
 
     def _make_grad_output_hook(self, name: str, call: int, slot: str,
                                ctx: dict[str, Any]) -> Callable:

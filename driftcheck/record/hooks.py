@@ -131,7 +131,8 @@ class ForwardHooks:
             if self._capturing("backward") and torch.is_grad_enabled():
                 self._hook_backward(name, call, outputs, ctx, self._made_by(name, call, outputs))
             if self.local is not None and self._capturing("forward") and is_leaf(module):
-                self._local_replay(name, call, module, args, kwargs, ctx)
+                with torch._C._EnableTorchFunction():  # the user's module, as it ran
+                    self._local_replay(name, call, module, args, kwargs, ctx)
         return post_hook
 
     def _made_by(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]]

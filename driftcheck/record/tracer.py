@@ -30,7 +30,7 @@ from driftcheck.record import ranks
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
-from driftcheck.record.watch import LogitWatch
+from driftcheck.record.watch import LogitWatch, own_work
 from driftcheck.record.metadata import run_metadata
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
@@ -189,15 +189,15 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
     def attach(self) -> "Tracer":
         for module, name in self.names.items():
             self._handles.append(module.register_forward_pre_hook(
-                self._make_pre_hook(name), with_kwargs=True))
+                own_work(self._make_pre_hook(name)), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
-                self._make_post_hook(name), with_kwargs=True))
+                own_work(self._make_post_hook(name)), with_kwargs=True))
         for _, (mod, leaf, p) in self.param_owner.items():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                self._handles.append(p.register_post_accumulate_grad_hook(own_work(self._grad_hook)))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(
-                lambda opt, args, kwargs: self._capture_after_update()))
+                own_work(lambda opt, args, kwargs: self._capture_after_update())))
         self._active = True
         self._capture_state("params")
         return self
@@ -246,6 +246,10 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """End the current step: capture what is left, write it out, start the next step."""
+        with torch._C.DisableTorchFunction():
+            self._step(loss)
+
+    def _step(self, loss: torch.Tensor | None) -> None:
         if loss is not None:
             self.record_loss(loss)
         if self._capturing("grads"):

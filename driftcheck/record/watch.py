@@ -7,6 +7,7 @@ Computed on the tensors' device with no host sync; compare reads them from each 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -24,11 +25,17 @@ _SDPA_BLOCK = 1 << 24  # logits recomputed for scaled_dot_product_attention, ele
 
 
 def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| over the elements within LOGIT_SPAN of their row's max (masked ones are not)."""
-    x = x.detach().float()
-    top = x.amax(dim=dim, keepdim=True)
-    keep = torch.isfinite(x) & (x >= top - LOGIT_SPAN)
-    return torch.where(keep, x.abs(), torch.zeros((), device=x.device)).amax()
+    """max |x| over the finite elements within LOGIT_SPAN of their row's finite max (masked
+    ones are not), as a float32 scalar: max(largest kept value, -smallest kept value, 0), in
+    four passes over x in its own dtype (no float32 copy of the logits)."""
+    x = x.detach()
+    top = x.amax(dim=dim, keepdim=True).float()  # a row holding NaN or +inf keeps nothing
+    fin = torch.isfinite(top)
+    lo = torch.where(fin, top - LOGIT_SPAN, torch.full_like(top, math.inf))
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    low = torch.where(x >= lo, x, zero).amin().float()  # x >= lo: compared in float32
+    high = torch.where(fin, top, torch.zeros_like(top)).amax()
+    return torch.maximum(torch.maximum(high, -low), torch.zeros_like(high))
 
 
 def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: bool,
@@ -167,3 +174,14 @@ class LogitWatch(TorchFunctionMode):
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
             pass  # a layout this does not know: the floor goes without the amplification
         return func(*args, **kwargs)
+
+
+def own_work(fn: Callable) -> Callable:
+    """``fn`` (a hook) with torch functions undispatched: the tracer's own ops (copies, stats,
+    samples) stay out of any torch function mode around the step (the LogitWatch, a user's),
+    which would otherwise see and cost a Python call for each of them."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+    return run

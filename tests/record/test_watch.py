@@ -1,0 +1,98 @@
+"""The watch (record/watch.py): what it measures of the ops a module's code runs, and that the
+tracer's own work stays out of it and of any torch function mode a user runs the step under."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import driftcheck
+from driftcheck.record.watch import LOGIT_SPAN, LogitWatch, _weighted_absmax
+
+
+def _by_definition(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| over the finite elements within LOGIT_SPAN of their row's max."""
+    x = x.detach().double()
+    top = torch.where(torch.isfinite(x), x, torch.full_like(x, -math.inf)).amax(dim, keepdim=True)
+    keep = torch.isfinite(x) & (x >= top - LOGIT_SPAN)
+    return torch.where(keep, x.abs(), torch.zeros(())).amax()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_weighted_absmax_is_its_definition(dtype, dim):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        x = (torch.randn(3, 5, 17, generator=g) * (100 * torch.rand((), generator=g))
+             - 50 * torch.rand((), generator=g)).to(dtype)
+        if trial % 3 == 0:
+            x[0, 1, :] = -math.inf  # a fully masked row
+        if trial % 5 == 0:
+            x[1, 2, 3] = -math.inf  # a masked position
+        if trial % 7 == 0:
+            x = -x.abs()  # every logit negative
+        assert float(_weighted_absmax(x, dim)) == float(_by_definition(x, dim))
+
+
+class _Counter(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Softmax(-1))
+
+
+def _step(model, opt, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_a_users_torch_function_mode_sees_the_same_ops_traced(tmp_path, mode):
+    """The tracer's copies, statistics and samples run with torch functions undispatched: a
+    mode the user runs the step under sees the model's ops and the optimizer's, nothing more."""
+    x = torch.randn(4, 8)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with _Counter() as plain:
+        _step(model, opt, x)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with driftcheck.trace(model, str(tmp_path / "t"), mode=mode, optimizer=opt) as t:
+        with _Counter() as traced:
+            loss = _step(model, opt, x)
+            t.step(loss)
+    assert traced.names == plain.names
+
+
+def test_the_watch_still_sees_the_models_softmax_under_the_tracer(tmp_path):
+    model = _net()
+    with torch.no_grad():
+        model[2].weight.mul_(300.0)  # large logits
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with driftcheck.trace(model, str(tmp_path / "t"), optimizer=opt) as t:
+        t.step(_step(model, opt, torch.randn(4, 8)))
+    entries = driftcheck.store.TraceReader(tmp_path / "t").manifest["entries"]
+    out = [e for e in entries if e["module"] == "3" and e["slot"] == "output"]
+    assert out and out[0]["meta"]["logit_absmax"] > 10.0
+
+
+def test_the_watch_sees_each_softmax_once():
+    seen = []
+    with LogitWatch(seen.append):
+        torch.softmax(torch.randn(2, 3), -1)
+        torch.randn(2, 3).log_softmax(-1)
+    assert len(seen) == 2
