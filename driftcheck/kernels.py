@@ -340,6 +340,19 @@ def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compi
         samples[k, j] = x[min(np.int64(v * n), n - 1)]
 
 
+@_jit()
+def gather_sample(x, base, shift, out):  # pragma: no cover (compiled)
+    """The stats-mode sample of one flat array of more than len(base) elements: out[j] =
+    x[min(floor(((base[j] + shift) mod 1) * n), n - 1)], the positions ``sample_positions``
+    gives (no fastmath: the positions must be those, bit for bit)."""
+    n = x.shape[0]
+    for j in range(base.shape[0]):
+        v = base[j] + shift
+        if v >= 1.0:
+            v -= 1.0
+        out[j] = x[min(np.int64(v * n), n - 1)]
+
+
 _MAGNITUDE_BITS = np.int64(0x7FFFFFFFFFFFFFFF)
 
 

@@ -155,7 +155,7 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
         if t.numel() >= BIG and t.device.type == "cpu" and t.dtype not in _FP8 and t.is_floating_point():
             rows[i] = _large_stats(t)
             if sample_keys[i] is not None:
-                samples[i] = sample_of(t, sample_keys[i], seed)
+                samples[i] = _large_sample(t, sample_keys[i], seed)
             continue
         if t.numel() == 0 or t.is_complex():
             rows[i] = stats_vector(t)
@@ -237,6 +237,17 @@ def _kernels():
     from driftcheck import kernels  # numba: imported where it is used, once
 
     return kernels
+
+
+def _large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
+    """``sample_of`` a large host tensor: for float32/float64, gathered by one compiled call
+    from the array ``_large_stats`` reads (the same positions, bit for bit)."""
+    if t.dtype not in (torch.float32, torch.float64):
+        return sample_of(t, key, seed)
+    x = t.detach().reshape(-1).numpy()
+    out = np.empty(SAMPLE_SIZE, dtype=x.dtype)
+    _kernels().gather_sample(x, _base_points(seed), zlib.crc32(key.encode()) / 2.0**32, out)
+    return torch.from_numpy(out)
 
 
 def _large_stats(t: torch.Tensor) -> torch.Tensor:

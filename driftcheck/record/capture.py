@@ -59,7 +59,8 @@ class Capturing:
 
     def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
                  extra: dict[str, Any] | None = None, copy: bool = True,
-                 dev_meta: dict[str, torch.Tensor] | None = None) -> None:
+                 dev_meta: dict[str, torch.Tensor] | None = None,
+                 summary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         # Runs ~10^2-10^3 times a step: the cost of this function is stats mode's overhead on a
         # small model, hence plain tuples, cached names and no context managers on its fast path.
         if type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local"):
@@ -90,7 +91,9 @@ class Capturing:
             entry["sample_key"] = sk
             if phase == "optimizer":
                 entry.setdefault("meta", {})["sampled_as"] = "params"
-        if self.audit is None:
+        if summary is not None:  # (stats row, sample) taken earlier: only the sample is held
+            data = summary[1]
+        elif self.audit is None:
             summary, data = self._take(data, t, module, phase, sk, copy)
         else:
             with self.audit.paused():  # the tracer's own ops stay out of the view audit

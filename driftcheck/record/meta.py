@@ -180,8 +180,7 @@ def magnitude_sq(m: nn.Module, x: torch.Tensor,
                 if weight_sq is not None:
                     weight_sq[id(w)] = (w._version, sw)
             rows = max(x.numel() // k, 1)
-            col = torch.linalg.vector_norm(xs, dim=0)  # one pass, no squared copy of x
-            return torch.dot(col * col, sw) / (rows * n_out)
+            return torch.dot((xs * xs).sum(0), sw) / (rows * n_out)
         if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
             # weight (C_out, C_in/g, *kernel); a transposed one's is (C_in, C_out/g, *kernel),
             # and an output position of it gets ~kernel/stride taps

@@ -453,3 +453,37 @@ def test_a_backend_without_the_kink_profile_ops_still_records(tmp_path, monkeypa
     entries = TraceReader(ref).entries
     assert not [e for e in entries if "kink_profile" in (e.get("meta") or {})]
     assert [e for e in entries if e["module"] == "act2" and e["phase"] == "forward"]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_large_gradients_summarised_in_their_hook_are_the_accumulated_ones(tmp_path, set_to_none):
+    """A gradient of at least stats.BIG elements is summarised when it is accumulated, not
+    copied: with two backward passes per step the trace holds the sum's statistics and sample,
+    and a zero_grad (in place or to None) before t.step() does not reach them."""
+    import driftcheck
+
+    def run(mode, out):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with driftcheck.trace(model, str(out), mode=mode, optimizer=opt) as t:
+            for _ in range(2):
+                for _ in range(2):  # two micro-batches
+                    model(torch.randn(8, 300, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+                t.step()
+        return {e["key"]: e for e in TraceReader(out).manifest["entries"] if e["phase"] == "grads"}
+
+    full, summ = run("full", tmp_path / "full"), run("stats", tmp_path / "stats")
+    big = [k for k, e in summ.items() if math.prod(e["shape"]) >= stats.BIG]
+    assert big  # the 300 x 300 weights
+    rf, rs = TraceReader(tmp_path / "full"), TraceReader(tmp_path / "stats")
+    for k in big:
+        a, b = full[k]["stats"], summ[k]["stats"]
+        assert a["l2"] > 0 and math.isclose(a["l2"], b["l2"], rel_tol=1e-9), (k, a, b)
+        assert a["max"] == b["max"] and a["min"] == b["min"]
+        whole = rf.tensor(full[k]).reshape(-1)
+        idx = torch.from_numpy(stats.sample_indices(k, whole.numel(), 0))
+        assert torch.equal(rs.tensor(summ[k], "sample"), whole[idx])
