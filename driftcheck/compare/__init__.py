@@ -58,7 +58,8 @@ class Comparison(Judging, Inheritance, Decisions, Kinks, Scales, Magnitudes, Nor
         self.warnings: list[str] = []
         self.errors: dict[tuple, Propagated] = {}  # align key -> what later entries inherit
         self._floors: dict[tuple, tuple[float, float]] = {}  # optimizer entries: (rms, max) floor
-        self._flipped: dict[int, str] = {}  # step -> key of a computed index that flipped, legitimately
+        # step -> (key, module it routes within) of computed indices that flipped, legitimately
+        self._flipped: dict[int, list[tuple[str, str]]] = {}
         self._flip_share: dict[tuple, float] = {}  # align key -> share of an index tensor that flipped
         self._rerouted_by: dict[str, Finding] = {}  # flipped decision -> its alignment.rerouted
         self.ref_entries, self.tgt_entries = entries_of(ref), entries_of(tgt)

@@ -18,6 +18,7 @@ from typing import Any
 
 from driftcheck import dtypes
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.inheritance import _identical
 from driftcheck.report import Finding
 from driftcheck.stats import SAMPLE_SIZE
 
@@ -38,6 +39,15 @@ def _deciding_call(r: TraceEntry) -> tuple[int, str, int] | None:
     return (r.step, mod, int(call))
 
 
+def flip_scope(r: TraceEntry) -> str:
+    """The module a flipped index of ``r`` routes within: the parent of the module that
+    returned it, or the module whose code passed it to a child."""
+    if r.slot.startswith("output"):
+        return r.module.rpartition(".")[0]
+    parent = r.meta.get("parent") or ""
+    return parent.rpartition("#")[0]
+
+
 def _one_dim_differs(a: list[int], b: list[int]) -> bool:
     """Shapes of one rank that differ in exactly one dimension (tokens routed elsewhere)."""
     return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
@@ -45,6 +55,13 @@ def _one_dim_differs(a: list[int], b: list[int]) -> bool:
 
 class Decisions:
     """The decisions part of :class:`driftcheck.compare.Comparison`."""
+
+    def _passed_through(self, r: TraceEntry) -> bool:
+        """Whether integer input ``r`` of a child holds the very values of one of its parent
+        call's inputs (token or position ids handed down): data, exact, not a decision."""
+        call = _deciding_call(r) if r.slot.startswith("input") else None
+        return call is not None and any(
+            d.align != r.align and _identical(d, r) for d in self.ref_index.fwd_in.get(call, []))
 
     def _flips_allowed(self, r: TraceEntry) -> tuple[float, dict[str, Any] | None]:
         """(share of integer entry ``r`` that may differ, how that was decided or None)."""
@@ -87,11 +104,15 @@ class Decisions:
         return max(FLIP_BASE, near), how
 
     def _rerouted(self, r: TraceEntry, t: TraceEntry) -> str | None:
-        """The key of the flipped decision that explains a shape mismatch of ``r``, or None."""
-        flip = self._flipped.get(r.step)
-        if flip is None or not _one_dim_differs(list(r.shape), list(t.shape)):
+        """The key of the flipped decision that explains a shape mismatch of ``r``, or None: a
+        forward or backward tensor of a module inside the module that holds the decision (a
+        router's parent, the MoE block), differing in one dimension only."""
+        if r.phase not in ("forward", "backward") or not _one_dim_differs(list(r.shape), list(t.shape)):
             return None
-        return flip
+        for key, scope in self._flipped.get(r.step, ()):
+            if not scope or r.module == scope or r.module.startswith(scope + "."):
+                return key
+        return None
 
     def _note_rerouted(self, r: TraceEntry, t: TraceEntry, flip: str) -> None:
         """One warning per flipped decision: the modules whose tensors it reshaped."""
@@ -124,7 +145,7 @@ class Decisions:
         if not seen and own is None:
             return 0.0  # data passed through (token ids), not indices its code decided
         bound = seen + FLIP_BOUND_HITS / SAMPLE_SIZE
-        return min(bound, own) if own is not None else bound
+        return max(seen, min(bound, own)) if own is not None else bound
 
     def _flip_sparse(self, deps: list[TraceEntry]) -> float:
         """The relative rms error that flipped indices among ``deps`` bring (stats mode): a share

@@ -10,6 +10,7 @@ from typing import Any
 from driftcheck import dtypes
 from driftcheck import floor as fl
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.decisions import flip_scope
 from driftcheck.compare.inheritance import _linear_rel
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE, WRONG, Propagated
@@ -241,7 +242,8 @@ class Judging:
         (compare/decisions.py), and at least FLIP_BASE of them; more is a defect."""
         mismatched = m.get("frac_outside", 0.0) if m.get("max_abs", 0.0) > 0 else 0.0
         computed = r.phase == "forward" and (r.slot.startswith("output")
-                                                or r.meta.get("parent") is not None)
+                                                or r.meta.get("parent") is not None) \
+            and not self._passed_through(r)
         if m.get("nonfinite_mismatch"):
             mismatched = 1.0
         allowed, how = self._flips_allowed(r) if computed else (0.0, None)
@@ -257,7 +259,7 @@ class Judging:
             if share > 0:
                 self._flip_share[r.align] = share
         if computed and ok and mismatched > 0:
-            self._flipped.setdefault(r.step, r.key)
+            self._flipped.setdefault(r.step, []).append((r.key, flip_scope(r)))
         rule = ignore or (f"computed integers may flip on near ties (<= {allowed:.1%} of elements)"
                           if computed else "integer tensors must match exactly")
         return Entry(**base, metrics=m, floor=0.0, ratio=0.0 if mismatched == 0 else

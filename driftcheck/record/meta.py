@@ -251,5 +251,8 @@ def kink_profile_of(d: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
         k = (exp.neg() + (mant == 0.5).to(exp.dtype)).clamp(0, KINK_BINS)
         k = torch.where(a == 0, KINK_BINS, k)
         k = torch.where(a < 0, KINK_BINS + 1, k)
-        hist = torch.bincount(k.reshape(-1), minlength=KINK_BINS + 2)[:KINK_BINS + 1]
+        flat = k.reshape(-1).to(torch.int64)
+        # scatter_add_, not bincount: bincount reads the largest bin on the host (a sync on CUDA)
+        hist = torch.zeros(KINK_BINS + 2, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))[:KINK_BINS + 1]
         return hist.flip(0).cumsum(0).flip(0)  # counts[k] = elements in bins >= k

@@ -315,7 +315,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
             # the step (a later in-place op, clipping or zero_grad, cannot reach either). With
             # gradient accumulation the last backward's summary, of the sum, is the one kept.
             sk = fmt.sample_key(self.step_index, "grads", mod, 0, f"param.{leaf}")
-            rows, samples = tstats.summarize([g], [sk], self.seed)
+            with self._quiet():  # the tracer's own ops stay out of the view audit
+                rows, samples = tstats.summarize([g], [sk], self.seed)
             self._grads[id(p)] = (g, rows[0], samples[0])
         else:
             self._grads[id(p)] = g.clone()

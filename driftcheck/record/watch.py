@@ -33,7 +33,7 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     fin = torch.isfinite(top)
     lo = torch.where(fin, top - LOGIT_SPAN, torch.full_like(top, math.inf))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    low = torch.where(x >= lo, x, zero).amin().float()  # x >= lo: compared in float32
+    low = torch.where(x >= lo, x, zero).amin().float()  # x >= lo: in float32 or x's wider dtype
     high = torch.where(fin, top, torch.zeros_like(top)).amax()
     return torch.maximum(torch.maximum(high, -low), torch.zeros_like(high))
 

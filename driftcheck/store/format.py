@@ -279,7 +279,7 @@ def _check_meta(i: int, meta: Any) -> None:
     for k in ("kink_profile", "decision_profile"):
         prof = meta.get(k)
         if prof is not None and not (isinstance(prof, list) and 0 < len(prof) <= 64
-                                     and all(_is_int(c) and c >= 0 for c in prof)):
+                                     and all(_is_int(c) and 0 <= c <= 2**53 for c in prof)):
             raise FormatError(f"manifest entry {i} meta {k!r} is not a list of counts")
     if meta.get("k_grad") is not None and not (_is_int(meta["k_grad"]) and meta["k_grad"] >= 0):
         raise FormatError(f"manifest entry {i} meta 'k_grad' is not a non-negative integer")

@@ -39,26 +39,37 @@ class _Router(nn.Module):
         return self.classifier(x).softmax(-1).argmax(-1)
 
 
-class _Moe(nn.Module):
+class _MoeBlock(nn.Module):
+    """A top-1 router and its experts in one block (a Hugging Face sparse MLP's layout)."""
+
     def __init__(self, d: int = 16, n: int = 4) -> None:
         super().__init__()
-        self.inp = nn.Linear(d, d)
         self.router = _Router(d, n)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.GELU(), nn.Linear(32, d))
                                      for _ in range(n))
-        self.out = nn.Linear(d, 4)
         with torch.no_grad():  # experts 0 and 1 score alike: many near ties between them
             w = self.router.classifier.weight
             w[1] = w[0] + 1e-3 * torch.randn_like(w[0])
 
-    def forward(self, x):
-        h = self.inp(x).reshape(-1, x.shape[-1])
+    def forward(self, h):
         idx = self.router(h)
         y = torch.zeros_like(h)
         for e, expert in enumerate(self.experts):
             sel = idx == e
             y[sel] = expert(h[sel])
-        return self.out(y + h)
+        return y
+
+
+class _Moe(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.moe = _MoeBlock(d, n)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.inp(x).reshape(-1, x.shape[-1])
+        return self.out(self.moe(h) + h)
 
 
 def _moe(seed=0):
@@ -76,27 +87,74 @@ def test_rerouted_tokens_after_a_near_tie_flip_pass(tmp_path, mode):
     assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
     rerouted = [f for f in rep.findings if f.kind == "alignment.rerouted"]
     assert rerouted and rerouted[0].severity == "warning"
-    assert rerouted[0].details["decision"].split("/")[2] == "router"
-    flips = [e for e in rep.entries if e.module == "router" and e.details.get("integer_mismatch_fraction")]
+    assert rerouted[0].details["decision"].split("/")[2] == "moe.router"
+    assert all(m.startswith("moe.experts.") for f in rerouted for m in f.details["modules"])
+    flips = [e for e in rep.entries if e.module == "moe.router" and e.details.get("integer_mismatch_fraction")]
     assert flips and all(e.details["decisions"]["near_tie_share"] > 0 for e in flips)
 
 
 def test_a_router_that_picks_the_least_likely_expert_is_caught(tmp_path):
     def wrong(model):
-        model.router.forward = lambda x: model.router.classifier(x).softmax(-1).argmin(-1)
+        r = model.moe.router
+        r.forward = lambda x: r.classifier(x).softmax(-1).argmin(-1)
     rep = _pair(tmp_path, _moe, dtype="fp32", local=False, hooks=wrong)
-    assert rep.verdict == "fail" and rep.first_divergence["module"] == "router", rep.decided_by
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "moe.router", rep.decided_by
     assert not any(f.kind == "alignment.rerouted" for f in rep.findings)
 
 
 def test_a_shape_change_without_a_flip_still_fails(tmp_path):
     """An expert that drops its last token: shapes differ with every decision alike."""
     def wrong(model):
-        seq = model.experts[2]
+        seq = model.moe.experts[2]
         fwd = seq.forward
         seq.forward = lambda x: fwd(x[:-1]) if x.shape[0] > 1 else fwd(x)
     with pytest.raises(Exception):
         _pair(tmp_path, _moe, dtype="fp32", local=False, hooks=wrong)
+
+
+def test_a_shape_change_outside_the_routing_block_still_fails(tmp_path):
+    """A bf16 target whose router flips (as the clean one does) and whose head drops a row: the
+    head is not inside the block the router routes within, so its shape is a defect."""
+    def wrong(model):
+        fwd = model.out.forward
+        model.out.forward = lambda x: fwd(x)[:-1]
+    rep = _pair(tmp_path, _moe, hooks=wrong)
+    assert rep.verdict == "fail", rep.decided_by
+    assert any(f.kind == "alignment.shape_mismatch" and f.module == "out" for f in rep.findings)
+
+
+class _Ids(nn.Module):
+    """Token ids handed down to an embedding by the model's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 4)
+        self.corrupt = False
+
+    def forward(self, ids):
+        if self.corrupt:  # one id in 256 off by one: within the 5% a decision may flip
+            ids = ids.clone()
+            ids[0, 0] = (ids[0, 0] + 1) % 64
+        return self.head(self.emb(ids))
+
+
+def _ids(seed=0):
+    torch.manual_seed(seed)
+    model = _Ids()
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs = [torch.randint(0, 64, (8, 32), generator=g) for _ in range(2)]
+    return Scenario(model=model, inputs=inputs, loss=lambda out, b: out.float().pow(2).mean(),
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), steps=2)
+
+
+def test_ids_handed_down_must_match_exactly(tmp_path):
+    def wrong(model):
+        model.corrupt = True
+    rep = _pair(tmp_path, _ids, dtype="fp32", local=False, hooks=wrong)
+    assert rep.verdict == "fail", rep.decided_by
+    e = next(e for e in rep.entries if e.module == "emb" and e.slot == "input.0" and e.step == 0)
+    assert e.status != "ok" and e.rule == "integer tensors must match exactly"
 
 
 # -- a VQ codebook: argmin over distances, an embedding lookup of the indices -----------------------
