@@ -320,6 +320,19 @@ def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (
 
 
 @_jit()
+def gather_sample(x, base, shift, out):  # pragma: no cover (compiled)
+    """The stats-mode sample of one flat array of more than len(base) elements: out[j] =
+    x[min(floor(((base[j] + shift) mod 1) * n), n - 1)], the positions ``sample_positions``
+    gives (no fastmath: the positions must be those, bit for bit)."""
+    n = x.shape[0]
+    for j in range(base.shape[0]):
+        v = base[j] + shift
+        if v >= 1.0:
+            v -= 1.0
+        out[j] = x[min(np.int64(v * n), n - 1)]
+
+
+@_jit()
 def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compiled)
     """One capture at once: ``segment_stats`` of all of ``x`` (flat, non-empty) into
     ``rows[k]`` and its stats-mode sample into ``samples[k]``: all of ``x`` when it has at
@@ -333,24 +346,7 @@ def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compi
         for j in range(n):
             samples[k, j] = x[j]
         return
-    for j in range(m):
-        v = base[j] + shift
-        if v >= 1.0:
-            v -= 1.0
-        samples[k, j] = x[min(np.int64(v * n), n - 1)]
-
-
-@_jit()
-def gather_sample(x, base, shift, out):  # pragma: no cover (compiled)
-    """The stats-mode sample of one flat array of more than len(base) elements: out[j] =
-    x[min(floor(((base[j] + shift) mod 1) * n), n - 1)], the positions ``sample_positions``
-    gives (no fastmath: the positions must be those, bit for bit)."""
-    n = x.shape[0]
-    for j in range(base.shape[0]):
-        v = base[j] + shift
-        if v >= 1.0:
-            v -= 1.0
-        out[j] = x[min(np.int64(v * n), n - 1)]
+    gather_sample(x, base, shift, samples[k])
 
 
 _MAGNITUDE_BITS = np.int64(0x7FFFFFFFFFFFFFFF)

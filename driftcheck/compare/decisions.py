@@ -27,25 +27,12 @@ FLIP_BOUND_HITS = 3  # a sample with k flips: k + 3 bounds the count at 95% (Poi
 DECISION_SPREAD = 4.0  # a decision within this many times its scores' error of a rival may flip
 
 
-def _deciding_call(r: TraceEntry) -> tuple[int, str, int] | None:
-    """The module call whose code computed integer entry ``r``: the module itself for its
-    output, the parent for a child's input."""
-    if r.slot.startswith("output"):
-        return (r.step, r.module, r.call)
-    parent = r.meta.get("parent")
-    if not parent:
-        return None
-    mod, _, call = parent.rpartition("#")
-    return (r.step, mod, int(call))
-
-
 def flip_scope(r: TraceEntry) -> str:
     """The module a flipped index of ``r`` routes within: the parent of the module that
     returned it, or the module whose code passed it to a child."""
     if r.slot.startswith("output"):
         return r.module.rpartition(".")[0]
-    parent = r.meta.get("parent") or ""
-    return parent.rpartition("#")[0]
+    return (r.meta.get("parent") or "").rpartition("#")[0]
 
 
 def _one_dim_differs(a: list[int], b: list[int]) -> bool:
@@ -56,16 +43,23 @@ def _one_dim_differs(a: list[int], b: list[int]) -> bool:
 class Decisions:
     """The decisions part of :class:`driftcheck.compare.Comparison`."""
 
+    def _deciding_call(self, r: TraceEntry) -> tuple[int, str, int] | None:
+        """The module call whose code computed integer entry ``r``: the module itself for its
+        output, the parent for a child's input."""
+        if r.slot.startswith("output"):
+            return (r.step, r.module, r.call)
+        return self.ref_index.parent_of(r)
+
     def _passed_through(self, r: TraceEntry) -> bool:
         """Whether integer input ``r`` of a child holds the very values of one of its parent
         call's inputs (token or position ids handed down): data, exact, not a decision."""
-        call = _deciding_call(r) if r.slot.startswith("input") else None
+        call = self._deciding_call(r) if r.slot.startswith("input") else None
         return call is not None and any(
             d.align != r.align and _identical(d, r) for d in self.ref_index.fwd_in.get(call, []))
 
     def _flips_allowed(self, r: TraceEntry) -> tuple[float, dict[str, Any] | None]:
         """(share of integer entry ``r`` that may differ, how that was decided or None)."""
-        call = _deciding_call(r)
+        call = self._deciding_call(r)
         if call is None:
             return FLIP_BASE, None
         s = call[0]

@@ -222,7 +222,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._seen_keys: set[str] = set()
         self._calls: dict[str, int] = {}
         self._stack: list[tuple[str, int]] = []
-        self._grads: dict[int, Any] = {}  # id(param) -> a copy, or (tensor, stats row, sample)
+        self._grads: dict[int, Any] = {}  # id(param) -> a copy, or (tensor, (stats row, sample))
         self._updated = False
         self._bn_before: dict[tuple[str, int], Any] = {}
         self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
@@ -258,8 +258,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
                 if not self._selected(mod):
                     continue
                 if isinstance(g, tuple):  # summarised in its hook: the live tensor gives the shape
-                    self._capture(mod, "grads", 0, f"param.{leaf}", g[0], copy=False,
-                                  summary=(g[1], g[2]))
+                    self._capture(mod, "grads", 0, f"param.{leaf}", g[0], copy=False, summary=g[1])
                 else:
                     self._capture(mod, "grads", 0, f"param.{leaf}", g, copy=False)
         if not self._updated:
@@ -310,14 +309,14 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         g = p.grad.detach()
         mod, leaf, _ = self.param_owner[id(p)]
         if type(g) is torch.Tensor and g.layout == torch.strided and g.numel() >= tstats.BIG \
-                and not self._full(mod) and self._capturing("grads") and self._selected(mod):
-            # Stats mode, a large gradient: its summary now rather than a copy for the end of
-            # the step (a later in-place op, clipping or zero_grad, cannot reach either). With
-            # gradient accumulation the last backward's summary, of the sum, is the one kept.
+                and self._capturing("grads") and self._selected(mod):
+            # A large gradient is taken now as any capture is (stats mode: its summary, rather
+            # than a copy for the end of the step; a later in-place op, clipping or zero_grad,
+            # cannot reach either). With gradient accumulation the last backward's is kept.
             sk = fmt.sample_key(self.step_index, "grads", mod, 0, f"param.{leaf}")
             with self._quiet():  # the tracer's own ops stay out of the view audit
-                rows, samples = tstats.summarize([g], [sk], self.seed)
-            self._grads[id(p)] = (g, rows[0], samples[0])
+                summary, data = self._take(g, g, mod, "grads", sk, True)
+            self._grads[id(p)] = (g, summary) if summary is not None else data
         else:
             self._grads[id(p)] = g.clone()
 
