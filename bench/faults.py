@@ -15,6 +15,10 @@ of that entry's clean floor. Controls (no fault, legitimate noise) must pass.
     python bench/faults.py --capture stats  # every run recorded in stats mode (no local
                                             # replay or truth: they need full tensors; sizes
                                             # measured on the samples)
+    python bench/faults.py --compile inductor  # every target (clean and faulty) under
+                                            # torch.compile, the faults inside its graph; no
+                                            # local replay (it reruns modules eagerly), and no
+                                            # stochastic-rounding control (a dispatch mode)
 """
 from __future__ import annotations
 
@@ -81,9 +85,11 @@ class Case:
 
 class Bench:
     def __init__(self, work: Path, local: bool = True, truth: bool = True,
-                 limit: float | None = None, capture: str = "full") -> None:
+                 limit: float | None = None, capture: str = "full",
+                 compile: dict[str, Any] | None = None) -> None:
         self.work, self.local, self.truth, self.limit = work, local, truth, limit
         self.capture = capture  # the record mode of every run
+        self.compile = compile  # torch.compile settings of every target
 
     def _record(self, model: str, out: Path, dtype: str, hooks: Callable | None = None,
                 threads: int | None = None, mode: Any = None, local: bool = True) -> Path:
@@ -94,9 +100,11 @@ class Bench:
         try:
             ctx = mode if mode is not None else _null()
             with ctx:
+                target = out != ref and dtype != "fp64"
                 record(load_scenario(model), out, dtype=dtype, force=True, mode=self.capture,
                        replay=None if out == ref else ref, target_hooks=hooks,
-                       local=ref if (local and self.local and out != ref) else None)
+                       local=ref if (local and self.local and out != ref) else None,
+                       compile=self.compile if target else None)
         finally:
             torch.set_num_threads(old)
         return out
@@ -211,16 +219,21 @@ def cases_for(bench: Bench, model: str, quick: bool) -> list[tuple[Case, dict[st
 
 def run(models: tuple[str, ...], quick: bool, work: Path, local: bool = True,
         truth: bool = True, limit: float | None = None,
-        log: Callable[[str], None] = print, capture: str = "full") -> list[Case]:
+        log: Callable[[str], None] = print, capture: str = "full",
+        compile: str | None = None) -> list[Case]:
     """Run the benchmark; returns every case (``summarize`` makes the table)."""
     torch.set_num_threads(2)
     full = capture == "full"  # local replay and the truth judge need full tensors
-    bench = Bench(work, local=local and full, truth=truth and full, limit=limit, capture=capture)
+    settings = {"backend": compile, "mode": None, "dynamic": None} if compile else None
+    bench = Bench(work, local=local and full and not compile, truth=truth and full, limit=limit,
+                  capture=capture, compile=settings)
     results: list[Case] = []
     for model in models:
         t0 = time.perf_counter()
         bench.prepare(model)
         for case, opts in cases_for(bench, model, quick):
+            if compile and opts.get("mode") is not None:
+                continue  # a dispatch mode around the step: not traced by Dynamo
             if case.name == "fp32 vs bf16":  # the clean target itself
                 c0 = time.perf_counter()
                 rep = bench._compare(model, work / model / "clean")
@@ -303,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write every case as JSON here")
     ap.add_argument("--capture", choices=("full", "stats"), default="full",
                     help="record mode of every run (stats: without local replay and truth)")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="every target under torch.compile with this backend (inductor, aot_eager)")
     ap.add_argument("--ops", action="store_true",
                     help="op-level faults inside multi-op modules and the drill-down (bench/_opfaults.py); "
                          "--models picks among its models (built-in and hf:*)")
@@ -314,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="driftcheck-bench-") as tmp:
         work = Path(args.work or tmp)
         results = run(models, args.quick, work, local=not args.no_local, truth=not args.no_truth,
-                      limit=args.limit, capture=args.capture)
+                      limit=args.limit, capture=args.capture, compile=args.compile)
     print()
     print(summarize(results))
     known = [f"{c.model} {c.name}: {', '.join(c.known)}" for c in results if c.known]

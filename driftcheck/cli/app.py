@@ -155,6 +155,30 @@ def _precision_options(whose: str) -> Any:
     return decorate
 
 
+def _compile_options(both_sides: bool) -> Any:
+    """``torch.compile`` of a record (``both_sides``: ``run``'s target, and its reference by
+    ``--reference-compile``)."""
+    whose = "the target's" if both_sides else "the"
+    opts = [
+        click.option("--compile", "compile_backend", is_flag=False, flag_value="inductor", default=None,
+                     metavar="[BACKEND]",
+                     help=f"Run {whose} model under torch.compile with this backend (inductor when "
+                          "given alone; aot_eager, tpu with torch_tpu, any registered one)  [default: eager]"),
+        click.option("--compile-mode", default=None,
+                     help="inductor's mode: default, reduce-overhead, max-autotune, "
+                          "max-autotune-no-cudagraphs  [default: torch's]"),
+        click.option("--dynamic/--no-dynamic", "dynamic", default=None,
+                     help="torch.compile's dynamic shapes  [default: torch's (automatic)]"),
+    ]
+    if both_sides:
+        opts.append(click.option(
+            "--reference-compile", "reference_compile", is_flag=False, flag_value="inductor",
+            default=None, metavar="[BACKEND]",
+            help="Run the reference under torch.compile too (same --compile-mode/--dynamic)  "
+                 "[default: eager]"))
+    return lambda f: _apply(f, opts)
+
+
 # -- compare ------------------------------------------------------------------------------------
 def _outputs_options(f: Any) -> Any:
     for opt in reversed([

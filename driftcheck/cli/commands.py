@@ -23,6 +23,7 @@ from driftcheck.cli.app import (
     _finish,
     _outputs_options,
     _phases,
+    _compile_options,
     _precision_options,
     _progress,
     _ranges,
@@ -73,6 +74,7 @@ def models(obj: _Ctx) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing trace directory.")
 @_capture_options
 @_precision_options("the")
+@_compile_options(False)
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
@@ -95,6 +97,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
+           compile_backend: str | None, compile_mode: str | None, dynamic: bool | None,
            view_audit: bool, local: str | None, no_local: bool, env_vars: tuple, simulate: str | None,
            parallel: str | None, long_: bool, every: int, points_every: int | None, perturb: bool,
            start: int | None) -> None:
@@ -107,6 +110,8 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     os.environ.update(env)  # before torch (and a backend package) is imported
     from driftcheck import devices
 
+    if long_ and compile_backend:
+        raise DriftcheckError("--long records eager steps; --compile is for a record of a few steps")
     if perturb and not long_:
         raise DriftcheckError("--perturb makes a control of a long run: add --long")
     if long_:
@@ -150,7 +155,10 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
 
     if no_local and local:
         raise DriftcheckError("--local and --no-local contradict each other; choose one")
-    if local is None and not no_local:
+    from driftcheck.record.compilation import settings
+
+    compile_ = settings(compile_backend, compile_mode, dynamic, torch_device)
+    if local is None and not no_local and compile_ is None:
         local = default_local(replay, mode=mode, parallel=parallel, fp8=fp8, start=start)
     scenario = load_scenario(model, seed)
     progress = _progress(obj)
@@ -170,7 +178,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
             simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step,
-            start=start, env=env))
+            start=start, env=env, compile=compile_))
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 

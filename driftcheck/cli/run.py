@@ -15,6 +15,7 @@ from driftcheck.cli.app import (
     _everywhere,
     _finish,
     _phases,
+    _compile_options,
     _precision_options,
     _progress,
     _ranges,
@@ -35,6 +36,7 @@ from driftcheck.errors import DriftcheckError
 @click.option("--reference-dtype", default="fp32", show_default=True, help="Reference dtype: fp32, bf16, fp16 or fp64.")
 @click.option("--target-dtype", default="fp32", show_default=True, help="Target dtype: fp32, bf16, fp16 or fp64.")
 @_precision_options("the target's")
+@_compile_options(True)
 @click.option("--truth", type=click.Choice(["fp64"]), default=None,
               help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local/--no-local", "local", default=None,
@@ -70,7 +72,8 @@ from driftcheck.errors import DriftcheckError
 @click.pass_obj
 def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
-        emulate: str | None, truth: str | None, local: bool | None, drill: bool, reference_env: tuple,
+        emulate: str | None, compile_backend: str | None, compile_mode: str | None,
+        dynamic: bool | None, reference_compile: str | None, truth: str | None, local: bool | None, drill: bool, reference_env: tuple,
         target_env: tuple, out: str, force: bool, steps: int | None, seed: int, mode: str,
         include: tuple, exclude: tuple, full_modules: tuple, phases: str | None,
         capture_steps: str | None, transfer: str, view_audit: bool, simulate: str | None,
@@ -90,8 +93,10 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
                         reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                         steps=steps, seed=seed, every=every, points_every=points_every, force=force,
                         html=html, simulate=simulate, reference_env=ref_env, target_env=tgt_env)
-    if local is None:
-        local = mode == "full" and not fp8  # the local replay needs the reference's full tensors
+    if long_ and (compile_backend or reference_compile):
+        raise DriftcheckError("--long runs eager steps; --compile is for a run of a few steps")
+    if local is None:  # the local replay needs the reference's full tensors, and an eager target
+        local = mode == "full" and not fp8 and not compile_backend
 
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")
@@ -103,7 +108,8 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
                   steps=steps, seed=seed, mode=mode, force=force, include=include, exclude=exclude,
                   full_modules=full_modules, phases=phases, capture_steps=capture_steps,
                   transfer=transfer, view_audit=view_audit, simulate=simulate,
-                  reference_env=ref_env, target_env=tgt_env)
+                  reference_env=ref_env, target_env=tgt_env, compile=compile_backend,
+                  reference_compile=reference_compile, compile_mode=compile_mode, dynamic=dynamic)
     progress = _progress(obj)
     with progress as p:
         out_dir, ref_dir, tgt_dir, truth_dir = record_sides(

@@ -237,7 +237,8 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     from driftcheck.loader import load_scenario
     from driftcheck.record.points import load_state, segment
     from driftcheck.record.rng import DropoutControl
-    from driftcheck.record.runner import parse_dtype, train
+    from driftcheck.record.loop import train
+    from driftcheck.record.runner import parse_dtype
     from driftcheck.store import TraceReader
     from driftcheck.store.replay import decode_batch, read_replay
 

@@ -132,7 +132,7 @@ class TraceSession:
         self.dropout.set_step(self.step)
         self._ctx = contextlib.ExitStack()
         self._ctx.enter_context(self.dropout)
-        self._ctx.enter_context(self.tracer.logit_watch())
+        self._ctx.enter_context(self.tracer.logit_watch("loop"))
         self.tracer.resume()
 
     def model_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -26,7 +26,8 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.points import load_state
-from driftcheck.record.runner import _autocast, _user_code, cast_batch, parse_dtype
+from driftcheck.record.loop import _autocast, _user_code, cast_batch
+from driftcheck.record.runner import parse_dtype
 from driftcheck.scenario import Scenario, call_model
 from driftcheck.store import format as fmt
 from driftcheck.store.long import write_long, write_point

@@ -8,7 +8,9 @@ Recorded runs use it on both sides; it changes the dropout stream, not the numer
 """
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -34,12 +36,23 @@ class DropoutControl:
         self.masks: list[dict[str, Any]] = []  # (step, index, p, shape) of every mask drawn
         self._saved: list[tuple[Any, str, Any]] = []
         self._depth = 0
+        self._id = next(_IDS)  # its number in compiled graphs (dropout_mask)
+        _CONTROLS[self._id] = weakref.ref(self)
+        # the patched functions, made once: a compiled graph guards on their identity
+        self._wrappers = [self._wrap(name, getattr(owner, name)) for name, owner in self._PATCHED]
 
     def set_step(self, step: int) -> None:
         self.step = step
         self.index = 0
 
     def _mask(self, shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Inside a graph Dynamo traces: the same mask, drawn when the graph runs by an op
+            # the graph keeps in order (the generator and the call index are Python state).
+            return torch.ops.driftcheck.dropout_mask(like.detach(), list(shape), p, self._id)
+        return self._mask_eager(shape, p, like)
+
+    def _mask_eager(self, shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.step * 10_007 + self.index) % 2**63)
         self.index += 1
         keep = torch.rand(shape, generator=g) >= p
@@ -50,10 +63,9 @@ class DropoutControl:
     def __enter__(self) -> "DropoutControl":
         self._depth += 1
         if self._depth == 1:
-            for name, owner in self._PATCHED:
-                original = getattr(owner, name)
-                self._saved.append((owner, name, original))
-                setattr(owner, name, self._wrap(name, original))
+            for (name, owner), patched in zip(self._PATCHED, self._wrappers):
+                self._saved.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, patched)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -106,6 +118,28 @@ class DropoutControl:
 
 
 _TORCH_DROPOUT = torch.dropout
+_CONTROLS: dict[int, Any] = {}  # DropoutControl number -> the control (weakly)
+_IDS = itertools.count(1)
+
+
+@torch.library.custom_op("driftcheck::dropout_mask", mutates_args=())
+def dropout_mask(like: torch.Tensor, shape: list[int], p: float, control: int) -> torch.Tensor:
+    """A compiled graph's dropout noise: ``DropoutControl._mask`` when the graph runs (an
+    ordered effect: never merged with another call's, never reordered)."""
+    ref = _CONTROLS.get(control)
+    owner = ref() if ref is not None else None
+    if owner is None:
+        raise RuntimeError("driftcheck::dropout_mask ran after its DropoutControl was dropped")
+    return owner._mask_eager(torch.Size(shape), p, like)
+
+
+@dropout_mask.register_fake
+def _dropout_mask_fake(like: torch.Tensor, shape: list[int], p: float, control: int) -> torch.Tensor:
+    return like.new_empty(shape)
+
+
+torch.library._register_effectful_op(torch.ops.driftcheck.dropout_mask.default,
+                                     torch.library.EffectType.ORDERED)
 
 
 def _dropout_args(func, args, kwargs):

@@ -52,8 +52,21 @@ class Sides:
     transfer: str = "batched"
     view_audit: bool = False
     simulate: str | None = None  # the target only: a simulated faulty backend
+    compile: str | None = None  # the target's torch.compile backend
+    reference_compile: str | None = None  # the reference's
+    compile_mode: str | None = None  # both sides' (where they compile)
+    dynamic: bool | None = None
     reference_env: dict[str, str] = dataclasses.field(default_factory=dict)  # the truth's too
     target_env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def compile_args(self, backend: str | None) -> list[str]:
+        """The ``record`` options of a side compiled with ``backend`` (none: eager)."""
+        if not backend:
+            return []
+        args = ["--compile", backend]
+        args += ["--compile-mode", self.compile_mode] if self.compile_mode else []
+        args += [] if self.dynamic is None else ["--dynamic" if self.dynamic else "--no-dynamic"]
+        return args
 
     def capture_args(self) -> list[str]:
         """The ``record`` options both sides share, so that their entries line up."""
@@ -99,7 +112,8 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
     ref_env, tgt_env = env_args(sides.reference_env), env_args(sides.target_env)
     _record([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
-             sides.reference_dtype] + common + ref_env, "reference", debug, say, progress,
+             sides.reference_dtype] + common + sides.compile_args(sides.reference_compile) + ref_env,
+            "reference", debug, say, progress,
             env=sides.reference_env)
     if sides.truth:
         _record([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
@@ -113,6 +127,7 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
         if val:
             tgt_args += [flag, val]
     tgt_args += ["--local", str(ref_dir)] if sides.local else ["--no-local"]
+    tgt_args += sides.compile_args(sides.compile)
     _record(tgt_args + tgt_env, "target + local replay" if sides.local else "target", debug, say,
             progress, env=sides.target_env)
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
@@ -129,6 +144,12 @@ def check(sides: Sides) -> None:
     if sides.local and sides.mode != "full":
         raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "
                               "or drop --local")
+    if sides.local and sides.compile:
+        raise DriftcheckError("--local reruns the target's modules eagerly: it cannot judge a "
+                              "--compile target; drop --local")
+    if (sides.compile_mode or sides.dynamic is not None) and not (sides.compile or sides.reference_compile):
+        raise DriftcheckError("--compile-mode and --dynamic set how --compile compiles: add "
+                              "--compile [BACKEND]")
     if sides.emulate and devices.parse_device(sides.target)[0] not in ("cpu", "cuda"):
         raise DriftcheckError(f"--emulate tpu runs on a CPU or CUDA target, not {sides.target!r}; on a "
                               "TPU target drop --emulate")

@@ -22,24 +22,18 @@ from torch import nn
 
 from driftcheck import dtypes
 from driftcheck.errors import DriftcheckError
-from driftcheck.nested import substitute
-from driftcheck.record import ranks
+from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.points import load_point_optimizer, load_state as _load_replay_state, segment
 from driftcheck.record.rng import DropoutControl
+from driftcheck.record.loop import train
 from driftcheck.record.tracer import Tracer
-from driftcheck.scenario import Scenario, call_model
+from driftcheck.scenario import Scenario
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.replay import decode_batch, encode_batch, read_replay
 from driftcheck.store.writer import TraceWriter
 
 parse_dtype = dtypes.parse_cli
-
-def cast_batch(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move tensors to ``device``; floating tensors are cast to ``dtype`` (ints/bools kept)."""
-    return substitute(obj, "", lambda _, t: t.to(device=device, dtype=dtype)
-                      if t.is_floating_point() else t.to(device=device))
-
 
 # -- record ---------------------------------------------------------------------------------------
 def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device | str = "cpu",
@@ -54,7 +48,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
            simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
            target_hooks: Callable[[nn.Module], Any] | None = None,
            parallel: str | None = None, start: int | None = None,
-           env: dict[str, str] | None = None) -> Path:
+           env: dict[str, str] | None = None, compile: dict[str, Any] | None = None) -> Path:
     """Record ``scenario`` into the trace directory ``out``; returns its path.
 
     Args:
@@ -83,9 +77,16 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             step of a long run, recorded in full.
         env: the environment variables this side was given (``--env``): recorded as ``run.env``,
             so every later rerun of this side (the drill-down) runs under them.
+        compile: ``torch.compile`` settings (record/compilation.py ``settings``): the loop calls
+            the compiled model, captured by graph taps (record/taps.py); a scenario whose model
+            is compiled already is traced the same way.
     """
     device = torch.device(device)
     tdtype = parse_dtype(dtype)
+    if compile and (parallel or local is not None or fp8 or simulate or view_audit or emulate):
+        raise DriftcheckError("--compile records a plain compiled run: drop --parallel, --local, "
+                              "--fp8, --simulate, --emulate and --view-audit (they run the model "
+                              "eagerly or under a dispatch mode Dynamo does not trace)")
     rank = world = backend = None
     if parallel:
         if fp8 or local is not None or simulate or view_audit or emulate:
@@ -104,7 +105,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
     n_steps = int(steps if steps is not None else scenario.steps)
     if n_steps < 1:
         raise DriftcheckError(f"--steps must be at least 1, got {n_steps}")
-    model = scenario.model
+    user_compiled = scenario.model if taps.compiled(scenario.model) else None
+    model = taps.unwrap(scenario.model)  # its paths without torch.compile's "_orig_mod."
     if not any(True for _ in model.parameters()) and not any(True for _ in model.buffers()):
         if scenario.loss is not None:
             raise DriftcheckError(f"model {model_id or scenario.name} has no parameters: nothing to "
@@ -180,9 +182,15 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(fp8))
     hook = target_hooks(model) if target_hooks is not None else None
     trained = ranks.wrap(model, parallel, device) if parallel else model  # what the loop calls
+    if compile:
+        trained = compilation.wrap(trained, compile)
+    elif user_compiled is not None and not parallel:
+        trained = user_compiled
+    compiled = trained is not model and taps.compiled(trained) or taps.compiled(model)
     optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
     if start and optimizer is not None:
         load_point_optimizer(optimizer, replay, start)
+    capturable = compilation.prepare_optimizer(optimizer, compile)
     sel_phases = set(phases or ("forward", "backward", "grads", "optimizer"))
     if scenario.loss is None:
         sel_phases &= {"forward"}
@@ -197,9 +205,10 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, include=include,
                         exclude=exclude, full_modules=full_modules, phases=sel_phases,
                         steps=capture_steps, transfer=transfer, seed=seed,
-                        view_audit=view_audit, local=local_replay)
+                        view_audit=view_audit, local=local_replay, compiled=compiled)
         tracer.step_index = first_step
         tracer.attach()
+        account = compilation.Account().start() if compiled else None
         audit_ctx: Any = contextlib.nullcontext()
         if view_audit:
             from driftcheck.audit.views import ViewAudit
@@ -228,6 +237,8 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         finally:
             tracer._active = False
             tracer.detach()
+            if account is not None:
+                account.stop()
             if fp8_handle is not None:
                 fp8_handle.remove()
             if local_replay is not None:
@@ -253,6 +264,11 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
             raise DriftcheckError(
                 f"the record captured no tensor ({n_steps} step(s) ran): --phases, --include, "
                 "--exclude and --capture-steps together select nothing; widen them")
+        if account is not None:
+            counts, found = account.result()
+            run["compile"] = dict(compile or {"backend": "user", "mode": None, "dynamic": None},
+                                  **counts, **({"capturable": capturable[0]} if capturable else {}))
+            tracer.findings.extend(found)
         extra = tracer.manifest_extra()
         if tracer.fp8_stats:
             extra["fp8"] = tracer.fp8_stats
@@ -302,79 +318,6 @@ def _check_selection(model: nn.Module, include: Iterable[str] | None, exclude: I
         raise DriftcheckError(f"--capture-steps {','.join(map(str, outside))}: this run has "
                               f"{n_steps} step(s) ({first}-{first + n_steps - 1}); choose steps in "
                               "that range or record more with --steps")
-
-
-def train(model: nn.Module, batches: list[Any], scenario: Scenario,
-          optimizer: torch.optim.Optimizer | None, *, device: torch.device, dtype: torch.dtype,
-          dropout: DropoutControl, autocast: str | None = None, tracer: Tracer | None = None,
-          fp8_handle: Any = None, on_step: Callable[[int, int], None] | None = None,
-          model_id: str | None = None, first_step: int = 0,
-          step_hook: Callable[[int], Any] | None = None) -> list[dict[str, Any]]:
-    """The training loop of a record, traced or not (the same code: tracing must not change
-    the numbers). Returns per step the loss and output (detached) for tests. ``first_step``:
-    the number of the first step (a record started from a long run's replay point)."""
-    results = []
-    name = model_id or scenario.name
-    for step, raw in enumerate(batches, start=first_step):
-        dropout.set_step(step)
-        if step_hook is not None:
-            step_hook(step)  # a fault scheduled to begin at some step (tests, bench/long_runs.py)
-        batch = cast_batch(raw, device, dtype)
-        with dropout, _autocast(device, autocast):
-            with _user_code(name, "the forward", step), \
-                    tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
-                output = call_model(model, batch)
-            with _user_code(name, "loss(output, batch)", step), \
-                    tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
-                loss = scenario.loss(output, batch) if scenario.loss else None
-        if loss is not None:
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise DriftcheckError(f"{name}: loss(output, batch) must return "
-                                      f"a scalar tensor, got {type(loss).__name__}")
-            if not loss.requires_grad:
-                raise DriftcheckError(f"{name}: the loss of step {step} does not depend on any "
-                                      "trainable parameter (no grad_fn); check the loss function, "
-                                      "or drop the loss for an inference-only record")
-            if tracer is not None:
-                tracer.record_loss(loss)
-            with _user_code(name, "the backward", step):
-                loss.backward()
-            if optimizer is not None:
-                with _user_code(name, "the optimizer step", step):
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                model.zero_grad(set_to_none=True)
-        if tracer is not None:
-            tracer.step()
-        if fp8_handle is not None and tracer is not None:
-            tracer.fp8_stats += [dict(s, step=step) for s in fp8_handle.stats()]
-            fp8_handle.reset()
-        results.append({"loss": None if loss is None else loss.detach().clone(),
-                        "output": output})
-        if on_step is not None:
-            on_step(step + 1 - first_step, len(batches))
-    return results
-
-
-@contextlib.contextmanager
-def _user_code(name: str, what: str, step: int) -> Any:
-    """Turn an exception raised by the user's model code into one clear line (exit 2); the
-    original stays chained for --debug. Our own errors and Ctrl-C pass through untouched."""
-    try:
-        yield
-    except DriftcheckError:
-        raise
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
-                              "(fix the model code; --debug shows the traceback)") from e
-
-
-def _autocast(device: torch.device, autocast: str | None):
-    if not autocast:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=parse_dtype(autocast))
 
 
 def _open_local(local: str | os.PathLike, replay: str | os.PathLike | None, replay_id: str | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import warnings
 from typing import Any, Iterable, Iterator
 
@@ -26,11 +27,11 @@ from torch import nn
 from driftcheck import dtypes
 from driftcheck import stats as tstats
 from driftcheck.errors import DriftcheckError
-from driftcheck.record import ranks
+from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
-from driftcheck.record.watch import LogitWatch, own_work
+from driftcheck.record.watch import LOSS_CODE, Watching, own_work
 from driftcheck.record.metadata import run_metadata
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
@@ -38,10 +39,9 @@ from driftcheck.store.writer import TraceWriter
 
 SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
 _SELECTED_BY = {"params": "forward", "loss": "forward"}  # phases --phases does not name
-LOSS_CODE = ("", -1)  # the (module, call) key of what the loss code computes, outside any module
 
 
-class Tracer(ForwardHooks, BackwardHooks, Capturing):
+class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
     """Captures one model's training steps into a TraceWriter.
 
     Args:
@@ -59,6 +59,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         audits: run the BatchNorm running-stat audit.
         root_output_grads: capture the gradients of the model's own outputs (off where a loop
             returns copies of them that the loss never uses: accelerate's fp32 outputs).
+        compiled: the model runs under ``torch.compile`` (found by itself where the model, or
+            a submodule, is compiled already): its module calls are captured by graph taps.
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, mode: str = "full",
@@ -68,9 +70,12 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
                  phases: Iterable[str] | None = None, steps: Iterable[int] | None = None,
                  transfer: str = "batched", seed: int = 0, audits: bool = True,
                  view_audit: bool = False, max_pending_bytes: int = 1 << 30,
-                 local: Any = None, root_output_grads: bool = True) -> None:
+                 local: Any = None, root_output_grads: bool = True,
+                 compiled: bool = False) -> None:
         if mode not in fmt.MODES:
             raise ValueError(f"mode must be one of {fmt.MODES}, not {mode!r}")
+        self.compiled = compiled or taps.compiled(model)
+        model = taps.unwrap(model)  # torch.compile(model): the paths are the model's own
         self.model = model
         self.writer = writer
         self.mode = mode
@@ -85,6 +90,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self.view_audit = view_audit
         self.root_output_grads = root_output_grads
         self.local = local  # a local.LocalReplay: replay leaf modules on the reference's inputs
+        if self.compiled:
+            self.local = None  # a leaf rerun eagerly is not what the compiled graph computed
         self.device = _model_device(model)
         self._replaying = False
         self._paused = False  # pause(): between a loop's steps (evaluation, logging) nothing is a call
@@ -127,32 +134,6 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
             extra["tied_params"] = self.tied_params
         return extra
 
-    def logit_watch(self) -> LogitWatch:
-        """A torch function mode to run the forward under: the largest softmax logit of each
-        module call goes into its output's meta (``logit_absmax``, a floor input)."""
-        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision)
-
-    def _on_ctc(self, frames: int) -> None:
-        if self._replaying or not self._stack or not self._active:
-            return
-        key = self._stack[-1]
-        self._ctc[key] = max(self._ctc.get(key, 0), frames)
-
-    def _on_decision(self, profile: torch.Tensor) -> None:
-        if self._replaying or not self._active:
-            return
-        key = self._stack[-1] if self._stack else LOSS_CODE
-        prev = self._decisions.get(key)
-        self._decisions[key] = profile if prev is None else prev + profile
-
-    def _on_logits(self, absmax: torch.Tensor) -> None:
-        if self._replaying or not self._active:
-            return
-        # outside any module: the loss code (its softmax makes the model's output gradients)
-        key = self._stack[-1] if self._stack else LOSS_CODE
-        prev = self._logits.get(key)
-        self._logits[key] = absmax if prev is None else torch.maximum(prev, absmax)
-
     @property
     def current_module(self) -> str:
         """The module path running now (for the view audit); "" outside any module."""
@@ -187,11 +168,23 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def attach(self) -> "Tracer":
+        self._tap_id = tid = taps.register(self)
+        self._by_name = {name: module for module, name in self.names.items()}
         for module, name in self.names.items():
-            self._handles.append(module.register_forward_pre_hook(
-                own_work(self._make_pre_hook(name)), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                own_work(self._make_post_hook(name)), with_kwargs=True))
+            # Each hook is graph code where Dynamo traces it (record/taps.py), eager otherwise.
+            self._handles.append(module.register_forward_pre_hook(taps.either(
+                own_work(self._make_pre_hook(name)),
+                functools.partial(taps.pre, tid, name), post=False, around=self.compiled),
+                with_kwargs=True))
+            self._handles.append(module.register_forward_hook(taps.either(
+                own_work(self._make_post_hook(name)),
+                functools.partial(taps.post, tid, name, self.root_output_grads), post=True,
+                around=self.compiled),
+                with_kwargs=True))
+        if taps.compiled(self.model) or self.compiled:
+            # Dynamo does not guard on module hooks: code compiled before they were added
+            # would run without them, and code compiled with them would outlive the trace.
+            torch._dynamo.reset()
         for _, (mod, leaf, p) in self.param_owner.items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(own_work(self._grad_hook)))
@@ -199,6 +192,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
             self._handles.append(self.optimizer.register_step_post_hook(
                 own_work(lambda opt, args, kwargs: self._capture_after_update())))
         self._active = True
+        if self.compiled:
+            self._snapshot_norms()
         self._capture_state("params")
         return self
 
@@ -216,6 +211,11 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._handles.clear()
         self._node_handles.clear()
         self._active = False
+        if getattr(self, "_tap_id", None) is not None:
+            taps.unregister(self._tap_id)
+            self._tap_id = None
+            if taps.compiled(self.model) or self.compiled:
+                torch._dynamo.reset()  # the user's next compile is without the taps
 
     def _reset_step(self) -> None:
         self._order = 0
@@ -228,6 +228,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
         self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
         self._ctc: dict[tuple[str, int], int] = {}  # (module, call) -> frames of its CTC loss
         self._decisions: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> margin counts
+        self._tap_ctx: dict[tuple[str, int], dict[str, Any]] = {}  # a tapped call's backward meta
+        self._bn_deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}
         self._span_start: dict[tuple[str, int], int] = {}  # a call's first sequence number
@@ -263,6 +265,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing):
                     self._capture(mod, "grads", 0, f"param.{leaf}", g, copy=False)
         if not self._updated:
             self._capture_after_update()
+        if self._bn_deferred or self.compiled:
+            self._audit_deferred()
         self.flush()
         for h in self._node_handles:
             h.remove()
@@ -357,12 +361,15 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         raise FileExistsError(str(e).replace("pass --force", "pass force=True")) from None
     with writer:
         tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, **kwargs).attach()
+        account = compilation.Account().start() if tracer.compiled else None
         try:
-            with tracer.logit_watch():
+            with tracer.logit_watch("loop"):
                 yield tracer
         finally:
             tracer._active = False
             tracer.detach()
+            if account is not None:
+                account.stop()
         if tracer.step_index == 0:
             warnings.warn(f"driftcheck.trace({out!r}): the block ended without t.step(); the trace "
                           "holds a partial step 0 and says 0 steps. Call t.step(loss) at the end of "
@@ -373,6 +380,10 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         meta = run_metadata(model=model, device=_model_device(model), mode=mode,
                             steps=tracer.step_index, dtype=dtypes.name_of(dtype), dtype_obj=dtype,
                             model_id=f"{type(model).__name__} ({params} parameters)", **rank)
+        if account is not None:
+            counts, found = account.result()
+            meta["compile"] = dict(backend="user", mode=None, dynamic=None, **counts)
+            tracer.findings.extend(found)
         meta.update(run or {})
         writer.close(meta, extra=tracer.manifest_extra())
 

@@ -7,6 +7,7 @@ Computed on the tensors' device with no host sync; compare reads them from each 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable
@@ -185,3 +186,41 @@ def own_work(fn: Callable) -> Callable:
         with torch._C.DisableTorchFunction():
             return fn(*args, **kwargs)
     return run
+
+
+LOSS_CODE = ("", -1)  # the (module, call) key of what the loss code computes, outside any module
+
+
+class Watching:
+    """What the watch hands the :class:`driftcheck.record.tracer.Tracer` (its state lives there):
+    each value keyed by the module call running when the module's own code computed it."""
+
+    def logit_watch(self, code: str = "forward") -> Any:
+        """A torch function mode to run the forward under: the largest softmax logit of each
+        module call goes into its output's meta (``logit_absmax``, a floor input). Not around a
+        compiled forward (``code`` "forward", or "loop": a user's loop calling a compiled model):
+        Dynamo would trace the mode into the graph."""
+        if self.compiled and code in ("forward", "loop"):
+            return contextlib.nullcontext()
+        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision)
+
+    def _on_ctc(self, frames: int) -> None:
+        if self._replaying or not self._stack or not self._active:
+            return
+        key = self._stack[-1]
+        self._ctc[key] = max(self._ctc.get(key, 0), frames)
+
+    def _on_decision(self, profile: torch.Tensor) -> None:
+        if self._replaying or not self._active:
+            return
+        key = self._stack[-1] if self._stack else LOSS_CODE
+        prev = self._decisions.get(key)
+        self._decisions[key] = profile if prev is None else prev + profile
+
+    def _on_logits(self, absmax: torch.Tensor) -> None:
+        if self._replaying or not self._active:
+            return
+        # outside any module: the loss code (its softmax makes the model's output gradients)
+        key = self._stack[-1] if self._stack else LOSS_CODE
+        prev = self._logits.get(key)
+        self._logits[key] = absmax if prev is None else torch.maximum(prev, absmax)

@@ -1,0 +1,101 @@
+"""The training loop of a record, traced or not (the same code: tracing must not change the
+numbers): each step's batch cast and placed, the forward and loss under autocast and the
+dropout control, the backward, the optimizer step; the user's exceptions as one line.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from driftcheck import dtypes
+from driftcheck.errors import DriftcheckError
+from driftcheck.nested import substitute
+from driftcheck.record.rng import DropoutControl
+from driftcheck.record.tracer import Tracer
+from driftcheck.scenario import Scenario, call_model
+
+
+def cast_batch(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Move tensors to ``device``; floating tensors are cast to ``dtype`` (ints/bools kept)."""
+    return substitute(obj, "", lambda _, t: t.to(device=device, dtype=dtype)
+                      if t.is_floating_point() else t.to(device=device))
+
+
+
+def train(model: nn.Module, batches: list[Any], scenario: Scenario,
+          optimizer: torch.optim.Optimizer | None, *, device: torch.device, dtype: torch.dtype,
+          dropout: DropoutControl, autocast: str | None = None, tracer: Tracer | None = None,
+          fp8_handle: Any = None, on_step: Callable[[int, int], None] | None = None,
+          model_id: str | None = None, first_step: int = 0,
+          step_hook: Callable[[int], Any] | None = None) -> list[dict[str, Any]]:
+    """The training loop of a record, traced or not (the same code: tracing must not change
+    the numbers). Returns per step the loss and output (detached) for tests. ``first_step``:
+    the number of the first step (a record started from a long run's replay point)."""
+    results = []
+    name = model_id or scenario.name
+    for step, raw in enumerate(batches, start=first_step):
+        dropout.set_step(step)
+        if step_hook is not None:
+            step_hook(step)  # a fault scheduled to begin at some step (tests, bench/long_runs.py)
+        batch = cast_batch(raw, device, dtype)
+        with dropout, _autocast(device, autocast):
+            with _user_code(name, "the forward", step), \
+                    tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
+                output = call_model(model, batch)
+            with _user_code(name, "loss(output, batch)", step), \
+                    tracer.logit_watch("loss") if tracer is not None else contextlib.nullcontext():
+                loss = scenario.loss(output, batch) if scenario.loss else None
+        if loss is not None:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise DriftcheckError(f"{name}: loss(output, batch) must return "
+                                      f"a scalar tensor, got {type(loss).__name__}")
+            if not loss.requires_grad:
+                raise DriftcheckError(f"{name}: the loss of step {step} does not depend on any "
+                                      "trainable parameter (no grad_fn); check the loss function, "
+                                      "or drop the loss for an inference-only record")
+            if tracer is not None:
+                tracer.record_loss(loss)
+            with _user_code(name, "the backward", step):
+                loss.backward()
+            if optimizer is not None:
+                with _user_code(name, "the optimizer step", step):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        if tracer is not None:
+            tracer.step()
+        if fp8_handle is not None and tracer is not None:
+            tracer.fp8_stats += [dict(s, step=step) for s in fp8_handle.stats()]
+            fp8_handle.reset()
+        results.append({"loss": None if loss is None else loss.detach().clone(),
+                        "output": output})
+        if on_step is not None:
+            on_step(step + 1 - first_step, len(batches))
+    return results
+
+
+@contextlib.contextmanager
+def _user_code(name: str, what: str, step: int) -> Any:
+    """Turn an exception raised by the user's model code into one clear line (exit 2); the
+    original stays chained for --debug. Our own errors and Ctrl-C pass through untouched."""
+    try:
+        yield
+    except DriftcheckError:
+        raise
+    except Exception as e:
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+        msg = lines[0][:300] if lines else ""
+        if msg.endswith("raised:") and len(lines) > 1:  # torch.compile's: the reason is below
+            msg = f"{msg} {lines[1][:300]}"
+        raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
+                              "(fix the model code; --debug shows the traceback)") from e
+
+
+def _autocast(device: torch.device, autocast: str | None):
+    if not autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtypes.parse_cli(autocast))

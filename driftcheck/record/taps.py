@@ -1,0 +1,249 @@
+"""Taps: capture that is part of a compiled graph (``torch.compile``: Dynamo, AOT autograd,
+then inductor, aot_eager or a device's backend).
+
+Under Dynamo the tracer's module hooks are traced into the user's graph, so they must be graph
+code: no autograd-node walks, no tracer state read (each read would be a guard, each change a
+recompilation). A hook traced there only calls two operators, registered here as ordered
+side effects (``torch.library._register_effectful_op``: never dead-code eliminated, never
+reordered among themselves, forward and backward alike):
+
+- ``driftcheck::tap(tensors, tracer, module, where, slots) -> call``: a module call's inputs
+  ("pre") or inputs and outputs ("post"). Its body runs when the compiled graph runs, on the
+  real tensors, and hands them to the tracer's ordinary capture (copies or stats, meta, kink
+  profiles), which numbers the call; the call's number comes back as a 0-d tensor, saved for
+  the backward like any activation.
+- ``driftcheck::grad_tap(grad, call, tracer, module, slot)``: the gradient of one output
+  (a tensor hook on it) or of one input (a hook on a view of it that the module receives in
+  its place: the gradient that flows through this module's own uses).
+
+Everything else in the graph is the user's and fuses as it would untraced; what the taps read
+must exist as a tensor, which is the one thing capture changes in the compiled code.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from driftcheck.audit import batchnorm as bn_audit
+from driftcheck.nested import flatten
+
+_SEP = "\n"  # slot names travel as one string (a custom op takes no list of strings)
+_TRACERS: dict[int, Any] = {}  # tracer id -> the tracer (weakly: a dropped tracer taps nothing)
+_IDS = itertools.count(1)
+
+
+@torch.library.custom_op("driftcheck::tap", mutates_args=())
+def tap(tensors: list[torch.Tensor], tracer: int, module: str, where: str, slots: str) -> torch.Tensor:
+    """A module call's tensors, handed to the tracer when the compiled graph runs; returns the
+    call's number (0-d int64) for its gradient taps."""
+    owner = _owner(tracer)
+    call = -1 if owner is None else owner._on_tap(module, where, slots.split(_SEP), tensors)
+    return torch.tensor(call, dtype=torch.int64)
+
+
+@tap.register_fake
+def _tap_fake(tensors: list[torch.Tensor], tracer: int, module: str, where: str,
+              slots: str) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("driftcheck::grad_tap", mutates_args=())
+def grad_tap(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str, slot: str) -> None:
+    """One gradient of a module call, handed to the tracer when the backward graph runs."""
+    owner = _owner(tracer)
+    if owner is not None:
+        owner._on_grad_tap(module, int(call), slot, grad)
+
+
+@grad_tap.register_fake
+def _grad_tap_fake(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str,
+                   slot: str) -> None:
+    return None
+
+
+for _op in (torch.ops.driftcheck.tap.default, torch.ops.driftcheck.grad_tap.default):
+    torch.library._register_effectful_op(_op, torch.library.EffectType.ORDERED)
+
+
+def register(tracer: Any) -> int:
+    """A number for ``tracer`` that graph code can carry as a constant."""
+    tid = next(_IDS)
+    _TRACERS[tid] = weakref.ref(tracer)
+    return tid
+
+
+def unregister(tid: int) -> None:
+    _TRACERS.pop(tid, None)
+
+
+def _owner(tid: int) -> Any:
+    ref = _TRACERS.get(tid)
+    return ref() if ref is not None else None
+
+
+# -- hooks as graph code ------------------------------------------------------------------------
+def either(eager: Callable, compiled: Callable, post: bool, around: bool = True) -> Callable:
+    """A module hook that runs ``compiled`` while Dynamo traces it into a graph and ``eager``
+    otherwise (a model compiled whole, a submodule compiled alone, or no compile at all).
+
+    A compiled model's own hooks run around its graph, where Dynamo compiles each as a small
+    frame of its own: taps only, one code object per kind (``AROUND_GRAPH``), so the pre- and
+    post-hook never recompile each other. ``around``: the model runs compiled code, so an eager
+    hook may run inside a compiled call, where it must not become a frame to compile itself
+    (off for an eager model: that guard costs microseconds a call)."""
+    if around:
+        eager = torch._dynamo.disable(eager)
+
+    def tap_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(module, args, kwargs)
+        return eager(module, args, kwargs)
+
+    def tap_post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(module, args, kwargs, output)
+        return eager(module, args, kwargs, output)
+
+    return tap_post_hook if post else tap_pre_hook
+
+
+AROUND_GRAPH = ("tap_pre_hook", "tap_post_hook")  # frames Dynamo compiles from taps by design
+
+
+def _wants_grad(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+
+
+def pre(tid: int, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The pre-hook as graph code: tap the inputs; hand the module a view of each input that
+    needs a gradient, hooked for this module's share of it (an in-place module, ReLU(inplace),
+    gets the input itself: a hook on a view it rewrites would never fire)."""
+    inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+    call = torch.ops.driftcheck.tap([t for _, t in inputs], tid, name, "pre",
+                                    _SEP.join(s for s, _ in inputs))
+    if not any(_wants_grad(t) for _, t in inputs):
+        return None
+    inplace = getattr(module, "inplace", False) is True
+
+    def hooked(slot: str, t: torch.Tensor) -> torch.Tensor:
+        v = t if inplace else t.view_as(t)
+        v.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call))
+        return v
+
+    def one(slot: str, v: Any) -> Any:
+        if _wants_grad(v):
+            return hooked(slot, v)
+        if type(v) in (tuple, list) and any(_wants_grad(x) for x in v):
+            return type(v)(hooked(f"{slot}.{i}", x) if _wants_grad(x) else x
+                           for i, x in enumerate(v))
+        return v
+
+    # Only tensors at the top of the call, or in a plain tuple/list there, are replaced: a
+    # ModelOutput or cache object passes as it is (its tensors are tapped, not hooked).
+    new_args = tuple(one(f"input.{i}", a) for i, a in enumerate(args))
+    new_kwargs = {k: one(f"input.{k}", v) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def post(tid: int, name: str, root_grads: bool, module: nn.Module, args: tuple, kwargs: dict,
+         output: Any) -> None:
+    """The post-hook as graph code: tap the inputs (a floor's magnitudes read them) and the
+    outputs; hook each output that needs a gradient."""
+    inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+    outputs = list(flatten(output, "output"))
+    pairs = inputs + outputs
+    call = torch.ops.driftcheck.tap([t for _, t in pairs], tid, name, "post",
+                                    _SEP.join(s for s, _ in pairs))
+    if name or root_grads:
+        for slot, t in outputs:
+            if _wants_grad(t):
+                t.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call))
+    return None
+
+
+def _grad_hook(tid: int, name: str, slot: str, call: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad is not None:
+        torch.ops.driftcheck.grad_tap(grad, call, tid, name, slot)
+    return None
+
+
+def positional(pairs: list[tuple[str, torch.Tensor]]) -> tuple:
+    """The call's positional tensor arguments, rebuilt from tapped slots ("input.0", ...)."""
+    out = []
+    for slot, t in pairs:
+        rest = slot[6:] if slot.startswith("input.") else ""
+        if rest.isdigit() and int(rest) == len(out):
+            out.append(t)
+    return tuple(out)
+
+
+# -- compiled models ----------------------------------------------------------------------------
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside ``torch.compile(model)``: its paths carry no ``_orig_mod.``."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module) and \
+            type(model).__name__ == "OptimizedModule":
+        model = model._orig_mod
+    return model
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether calling ``model`` runs compiled code: the model compiled whole
+    (``torch.compile(model)``) or a submodule compiled in place (``module.compile()``)."""
+    if type(model).__name__ == "OptimizedModule":
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+# -- the tracer's side ------------------------------------------------------------------------
+class GraphTaps:
+    """What the taps hand over, taken by :class:`driftcheck.record.tracer.Tracer` (its state
+    lives there): a tapped call goes through the same ``_enter``/``_leave`` as an eager hook's,
+    without grad mode (its gradients come from ``grad_tap``), the local replay or an autograd
+    walk."""
+
+    def _on_tap(self, name: str, where: str, slots: list[str], tensors: list[torch.Tensor]) -> int:
+        if self._replaying or self._paused or not self._active:
+            return -1
+        pairs = list(zip(slots, tensors))
+        module = self._by_name[name]
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if where == "pre":
+                return self._enter(name, module, positional(pairs), {}, pairs, compiled=True)
+            inputs = [(s, t) for s, t in pairs if s.startswith("input")]
+            outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
+            return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
+
+    def _on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
+        if call < 0 or self._paused or not self._active or not self._selected(name) \
+                or not self._capturing("backward"):
+            return
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            self._capture(name, "backward", call, slot, grad.detach(),
+                          extra=self._tap_ctx.get((name, call)))
+
+    def _audit_deferred(self) -> None:
+        """The BatchNorm audit of calls inside a compiled graph: their buffers are written back
+        after the graph, so each call is audited against the buffers at the end of the step
+        (exact for a norm called once a step, as nearly all are; later calls are skipped)."""
+        for name, call, x in self._bn_deferred:
+            if call != 0 or self._calls.get(name, 0) != 1:
+                continue
+            module = self._by_name[name]
+            before = self._bn_step_start.get(name)
+            if before is None:
+                continue
+            with self._quiet():
+                found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
+                                            module.training, self.step_index, call)
+            self.findings.extend(f.to_dict() for f in found)
+        self._bn_deferred.clear()
+        self._snapshot_norms()
+
+    def _snapshot_norms(self) -> None:
+        self._bn_step_start = {name: bn_audit.snapshot(m) for name, m in self._by_name.items()
+                               if self.audits and bn_audit.is_tracked_norm(m)}

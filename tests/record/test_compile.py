@@ -1,0 +1,218 @@
+"""torch.compile'd training (issue 20): module paths as the eager model's, capture traced into the
+graph (no break, no recompilation of its own), traced == untraced bitwise, faults inside the
+compiled region caught where they are, breaks the capture causes reported as findings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import driftcheck
+from driftcheck.compare import compare
+from driftcheck.record import taps
+from driftcheck.store import TraceReader
+
+from conftest import record_builtin, run_cli
+
+
+class Block(nn.Module):
+    """Linear -> BatchNorm -> ReLU(inplace) with a residual: in-place ops on a module's output
+    and input, buffers written in training, an input used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.bn(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Sequential(nn.GELU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _run(out: Path | None, backend: str | None, steps: int = 2, mode: str = "full",
+         breaks: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two AdamW steps of Net, eager or compiled, traced into ``out`` or not; (losses, params)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fwd = model if backend is None else torch.compile(model, backend=backend)
+    if breaks:  # the model's own graph break (a print-like call in its forward)
+        inner = model.forward
+        model.forward = lambda x: (torch._dynamo.graph_break(), inner(x))[1]
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, 8, generator=gen) for _ in range(steps)]
+    losses: list[torch.Tensor] = []
+    tracer = driftcheck.trace(fwd, str(out), optimizer=opt, force=True, mode=mode) if out else None
+    t = tracer.__enter__() if tracer else None
+    try:
+        for x in xs:
+            loss = fwd(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+            if t is not None:
+                t.step(loss)
+    finally:
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+    torch._dynamo.reset()
+    return losses, [p.detach().clone() for p in model.parameters()] + \
+        [b.detach().clone() for b in model.buffers()]
+
+
+def test_a_compiled_model_is_traced_under_its_own_module_paths(tmp_path: Path) -> None:
+    _run(tmp_path / "eager", None)
+    _run(tmp_path / "compiled", "aot_eager")
+    eager, compiled = TraceReader(tmp_path / "eager"), TraceReader(tmp_path / "compiled")
+    keys = {e["key"] for e in compiled.entries}
+    assert keys == {e["key"] for e in eager.entries}  # every activation and gradient, as eager
+    assert not any("_orig_mod" in k for k in keys)
+    assert {e["phase"] for e in compiled.entries} >= {"forward", "backward", "grads", "optimizer"}
+    # the input gradient of an in-place module and of a block whose input is used twice
+    assert any(e["module"] == "blocks.0.act" and e["slot"] == "grad_input.0" for e in compiled.entries)
+    assert any(e["module"] == "blocks.1" and e["slot"] == "grad_input.0" for e in compiled.entries)
+    run = compiled.run["compile"]
+    assert run["graph_breaks"] == 0 and run["recompiles"] == 0
+    assert not [f for f in compiled.manifest["findings"] if f["kind"].startswith("compile.")]
+    report = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    assert report.verdict == "pass", report.decided_by
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_traced_compiled_training_is_bitwise_the_untraced(tmp_path: Path, backend: str) -> None:
+    plain = _run(None, backend)
+    traced = _run(tmp_path / "t", backend)
+    for a, b in zip(plain[0] + plain[1], traced[0] + traced[1]):
+        assert torch.equal(a, b)
+    stats = _run(tmp_path / "s", backend, mode="stats")
+    for a, b in zip(plain[0] + plain[1], stats[0] + stats[1]):
+        assert torch.equal(a, b)
+
+
+def test_the_capture_breaking_the_graph_is_an_error_finding(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    clean = tmp_path / "clean"
+    _run(clean, "aot_eager")
+    assert not [f for f in TraceReader(clean).manifest["findings"] if f["kind"].startswith("compile.")]
+    original = taps.pre
+
+    def breaking(tid, name, module, args, kwargs):  # a capture that Dynamo cannot trace
+        if name == "blocks.1.fc":
+            torch._dynamo.graph_break()
+        return original(tid, name, module, args, kwargs)
+
+    monkeypatch.setattr(taps, "pre", breaking)
+    _run(tmp_path / "broken", "aot_eager")
+    found = [f for f in TraceReader(tmp_path / "broken").manifest["findings"]
+             if f["kind"] == "compile.graph_break"]
+    assert found and found[0]["severity"] == "error"
+    assert "driftcheck/record/taps.py" in found[0]["message"]
+
+
+def test_the_models_own_graph_breaks_are_information(tmp_path: Path) -> None:
+    _run(tmp_path / "own", "aot_eager", breaks=True)
+    reader = TraceReader(tmp_path / "own")
+    assert reader.run["compile"]["graph_breaks"] >= 1
+    found = [f for f in reader.manifest["findings"] if f["kind"].startswith("compile.")]
+    assert found and all(f["severity"] == "warning" for f in found)
+
+
+def test_a_fault_inside_the_compiled_graph_is_found_where_it_enters(tmp_path: Path) -> None:
+    from driftcheck import faults
+
+    ref = record_builtin("llama", tmp_path / "ref", steps=1)
+    comp = {"backend": "aot_eager", "mode": None, "dynamic": None}
+    clean = record_builtin("llama", tmp_path / "clean", replay=ref, steps=1, compile=comp)
+    assert compare(str(ref), str(clean)).verdict == "pass"
+    bad = record_builtin("llama", tmp_path / "bad", replay=ref, steps=1, compile=comp,
+                         target_hooks=faults.scale_output("layers.1.mlp.down_proj", 1.01))
+    report = compare(str(ref), str(bad))
+    assert report.verdict == "fail"
+    assert report.first_divergence["module"] == "layers.1.mlp.down_proj"
+
+
+def test_batchnorm_stats_never_written_inside_a_compiled_graph_are_found(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """The audit of a tapped norm runs at the end of the step (the graph writes buffers back
+    after it runs): a clean compiled BatchNorm passes, one whose statistics are never written
+    is named."""
+    _run(tmp_path / "clean", "aot_eager")
+    assert not [f for f in TraceReader(tmp_path / "clean").manifest["findings"]
+                if f["kind"].startswith("batchnorm.")]
+
+    def stale(self, x):  # torch_tpu 0.2.0's bug: normalised with batch statistics, never written
+        return nn.functional.batch_norm(x, None, None, self.weight, self.bias, True, 0.1, self.eps)
+
+    monkeypatch.setattr(nn.BatchNorm1d, "forward", stale)
+    _run(tmp_path / "stale", "aot_eager")
+    found = [f for f in TraceReader(tmp_path / "stale").manifest["findings"]
+             if f["kind"].startswith("batchnorm.")]
+    assert {f["module"] for f in found} == {"blocks.0.bn", "blocks.1.bn"}
+
+
+def test_record_compiles_a_scenario_and_replays_into_a_compiled_build(tmp_path: Path, capsys) -> None:
+    """A build() that returns torch.compile(model) replays an eager reference's weights (its
+    paths carry no _orig_mod.), and --compile compiles a plain one; both align with the eager
+    reference entry by entry (with the built-in mlp's dropout masks reproduced in the graph)."""
+    scen = tmp_path / "compiled_scen.py"
+    scen.write_text(
+        "import torch\nfrom driftcheck.loader import load_scenario\n\n"
+        "def build():\n    s = load_scenario('mlp')\n    s.model = torch.compile(s.model, backend='aot_eager')\n"
+        "    return s\n")
+    ref = tmp_path / "ref"
+    assert run_cli(["record", "mlp", "--out", ref], capsys)[0] == 0
+    assert run_cli(["record", f"{scen}:build", "--out", tmp_path / "user", "--replay", ref], capsys)[0] == 0
+    assert run_cli(["record", "mlp", "--out", tmp_path / "cli", "--replay", ref, "--compile",
+                    "aot_eager"], capsys)[0] == 0
+    for side in ("user", "cli"):
+        manifest = json.loads((tmp_path / side / "manifest.json").read_text())
+        assert manifest["run"]["compile"]["graph_breaks"] == 0
+        code, out, _ = run_cli(["compare", ref, tmp_path / side], capsys)
+        assert code == 0, out
+
+
+def test_the_tpu_backend_gets_capturable_optimizers_and_others_keep_theirs() -> None:
+    from driftcheck.record.compilation import prepare_optimizer
+
+    params = [nn.Parameter(torch.ones(2))]
+    adam = torch.optim.AdamW(params)
+    assert prepare_optimizer(adam, {"backend": "inductor"}) == []
+    assert adam.param_groups[0]["capturable"] is False
+    assert prepare_optimizer(adam, {"backend": "tpu"}) == ["AdamW"]
+    assert adam.param_groups[0]["capturable"] is True
+    sgd = torch.optim.SGD(params, lr=0.1)  # no such option: left as it is
+    assert prepare_optimizer(sgd, {"backend": "tpu"}) == []
+
+
+def test_the_tpu_backend_is_checked_against_torch_tpu_and_the_device(monkeypatch) -> None:
+    from driftcheck import devices
+    from driftcheck.errors import DriftcheckError
+    from driftcheck.record.compilation import settings
+
+    with pytest.raises(DriftcheckError, match="torch_tpu's backend: pip install torch-tpu"):
+        settings("tpu")  # no torch_tpu here: the real error path
+    monkeypatch.setattr(devices, "torch_tpu_version", lambda: "0.2.0")  # as if installed
+    with pytest.raises(DriftcheckError, match="compiles for a TPU, not --device cpu"):
+        settings("tpu", device=torch.device("cpu"))
+    assert settings("tpu") == {"backend": "tpu", "mode": None, "dynamic": False}
+    assert settings("inductor", "max-autotune", True) == {"backend": "inductor",
+                                                          "mode": "max-autotune", "dynamic": True}
+    assert settings(None) is None
