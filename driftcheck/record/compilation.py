@@ -60,11 +60,25 @@ def settings(backend: str | None, mode: str | None = None, dynamic: bool | None 
 
 
 def wrap(model: nn.Module, compile: dict[str, Any]) -> nn.Module:
-    """``torch.compile(model)`` as ``compile`` says (``settings``)."""
+    """``torch.compile(model)`` as ``compile`` says (``settings``), its own hooks in its graph
+    (``inline_hooks``)."""
     kwargs: dict[str, Any] = {"backend": compile["backend"], "dynamic": compile.get("dynamic")}
     if compile.get("mode"):
         kwargs["mode"] = compile["mode"]
-    return torch.compile(model, **kwargs)
+    return inline_hooks(torch.compile(model, **kwargs))
+
+
+def inline_hooks(model: nn.Module) -> nn.Module:
+    """A model compiled whole with its own hooks traced into its graph, as a torch.nn class's
+    are: by default Dynamo calls a user model's hooks outside the frame it compiles, where the
+    gradient of an output the graph itself consumes (logits of a model that computes its loss)
+    never reaches a hook. Re-initialised under ``wrap_top_frame``; others unchanged."""
+    init = getattr(model, "_initialize", None)
+    if type(model).__name__ == "OptimizedModule" and init is not None \
+            and hasattr(torch._dynamo.config, "wrap_top_frame"):
+        with torch._dynamo.config.patch(wrap_top_frame=True):
+            init()
+    return model
 
 
 def prepare_optimizer(optimizer: Any, compile: dict[str, Any] | None) -> list[str]:
@@ -164,7 +178,10 @@ class Account:
 
 
 _BREAK_LOG = "torch._dynamo.symbolic_convert.__graph_breaks"
-_OUR_FILE = re.compile(r'(?:File ")?([^"\s]*driftcheck/(?:record|audit)/\w+\.py)(?:", line |:)(\d+)')
+# The capture's code (not the training loop's frames, loop.py and runner.py, which call the model
+# and so sit at the outer end of every stack Dynamo reports)
+_CAPTURE = r"(?:record/(?:taps|hooks|autograd|capture|tracer|watch|meta|norms|rng)|audit/\w+)"
+_OUR_FILE = re.compile(r'(?:File ")?([^"\s]*driftcheck/' + _CAPTURE + r'\.py)(?:", line |:)(\d+)')
 _ANY_FILE = re.compile(r'File "([^"]+)", line (\d+)')
 
 

@@ -112,7 +112,21 @@ def either(eager: Callable, compiled: Callable, post: bool, around: bool = True)
     return tap_post_hook if post else tap_pre_hook
 
 
-AROUND_GRAPH = ("tap_pre_hook", "tap_post_hook")  # frames Dynamo compiles from taps by design
+def _run_eagerly_as_frames() -> None:
+    """Called as a frame of its own (a module called between the model's own graph breaks, or
+    a compiled model's hooks around its graph) a hook runs eagerly, never compiled: each
+    module's hook is a closure of its own, so compiling them as frames would recompile the same
+    code once per module. Inlined into a frame Dynamo traces, the hook is still traced."""
+    skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    if skip is None:
+        return
+    for fn in (either(lambda *a: None, lambda *a: None, False, False),
+               either(lambda *a: None, lambda *a: None, True, False)):
+        skip(fn.__code__)
+
+
+AROUND_GRAPH = ("tap_pre_hook", "tap_post_hook")  # hook frames, never a break of the model's
+_run_eagerly_as_frames()
 
 
 def _wants_grad(t: Any) -> bool:
@@ -126,7 +140,7 @@ def pre(tid: int, name: str, module: nn.Module, args: tuple, kwargs: dict) -> An
     inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
     call = torch.ops.driftcheck.tap([t for _, t in inputs], tid, name, "pre",
                                     _SEP.join(s for s, _ in inputs))
-    if not any(_wants_grad(t) for _, t in inputs):
+    if not any(_wants_grad(t) for _, t in inputs) or passes_through(module):
         return None
     inplace = getattr(module, "inplace", False) is True
 
@@ -148,6 +162,16 @@ def pre(tid: int, name: str, module: nn.Module, args: tuple, kwargs: dict) -> An
     new_args = tuple(one(f"input.{i}", a) for i, a in enumerate(args))
     new_kwargs = {k: one(f"input.{k}", v) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def passes_through(module: nn.Module) -> bool:
+    """A call that returns its input as it is in eager mode (an Identity; a Dropout with p=0 or
+    in eval): eager autograd gives it no node of its own, so an eager trace has no input
+    gradient for it and its output gradient is its input's; its taps hook nothing in place of
+    the input, so a compiled trace has the same entries."""
+    if isinstance(module, nn.Identity):
+        return True
+    return isinstance(module, nn.modules.dropout._DropoutNd) and (module.p == 0 or not module.training)
 
 
 def post(tid: int, name: str, root_grads: bool, module: nn.Module, args: tuple, kwargs: dict,

@@ -351,7 +351,7 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         ...         loss = loss_fn(model(batch)); loss.backward(); opt.step(); opt.zero_grad()
         ...         t.step(loss)
     """
-    model = ranks.unwrap(model)  # DDP: hooks on the user's module, paths as without the wrapper
+    model = compilation.inline_hooks(ranks.unwrap(model))  # DDP: hooks on the user's module
     rank = ranks.rank_info(model)
     if rank:
         out = str(rank_dir(out, rank["rank"]))

@@ -216,3 +216,64 @@ def test_the_tpu_backend_is_checked_against_torch_tpu_and_the_device(monkeypatch
     assert settings("inductor", "max-autotune", True) == {"backend": "inductor",
                                                           "mode": "max-autotune", "dynamic": True}
     assert settings(None) is None
+
+
+class WithLoss(nn.Module):
+    """A model that computes its own loss from its logits (Hugging Face models given labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.head(torch.tanh(self.body(x)))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_an_output_the_graph_consumes_itself_keeps_its_gradient(tmp_path: Path, monkeypatch,
+                                                                inline: bool) -> None:
+    """The gradient of logits that the model's own loss consumes is computed inside the compiled
+    backward: the root's hooks must be in the graph to see it (``inline_hooks``); left around the
+    graph, as Dynamo calls a user model's hooks by default, they miss it."""
+    from driftcheck.record import compilation
+
+    if not inline:
+        monkeypatch.setattr(compilation, "inline_hooks", lambda m: m)
+
+    def run(out: Path, compiled: bool) -> TraceReader:
+        torch.manual_seed(0)
+        model = WithLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fwd = torch.compile(model, backend="aot_eager") if compiled else model
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+        with driftcheck.trace(fwd, str(out), optimizer=opt, force=True) as t:
+            loss = fwd(x, y)["loss"]
+            loss.backward()
+            opt.step()
+            t.step(loss)
+        torch._dynamo.reset()
+        return TraceReader(out)
+
+    eager, compiled = run(tmp_path / "e", False), run(tmp_path / "c", True)
+    assert any(e["slot"] == "grad_output.logits" and e["module"] == "" for e in eager.entries)
+    same = {e["key"] for e in compiled.entries} == {e["key"] for e in eager.entries}
+    assert same is inline
+
+
+def test_a_break_is_the_captures_only_where_its_stack_passes_through_capture_code() -> None:
+    """Every stack Dynamo reports starts in the training loop that called the model (loop.py):
+    that frame does not make a model's own break (MoE routing's nonzero) the capture's."""
+    import os
+
+    from driftcheck.record.compilation import _model_line, _our_line
+
+    pkg = os.path.dirname(driftcheck.__file__)
+    loop = f'File "{pkg}/record/loop.py", line 47, in train\n'
+    model = 'File "/home/u/moe.py", line 184, in forward\n    idx = mask.nonzero()\n'
+    assert _our_line(loop + model) is None
+    assert _model_line(loop + model) == "/home/u/moe.py:184"
+    tap = f'File "{pkg}/record/taps.py", line 101, in pre\n'
+    assert _our_line(loop + model + tap) == "driftcheck/record/taps.py:101"
+    assert _our_line("guard  # driftcheck/record/hooks.py:30 in _enter") == "driftcheck/record/hooks.py:30"
