@@ -18,7 +18,6 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.record.taps import AROUND_GRAPH
 
-DEFAULT_BACKEND = "inductor"
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the driftcheck package
 _TAPS = os.path.join(_OURS, "record", "taps.py")

@@ -91,11 +91,11 @@ def either(eager: Callable, compiled: Callable, post: bool, around: bool = True)
     """A module hook that runs ``compiled`` while Dynamo traces it into a graph and ``eager``
     otherwise (a model compiled whole, a submodule compiled alone, or no compile at all).
 
-    A compiled model's own hooks run around its graph, where Dynamo compiles each as a small
-    frame of its own: taps only, one code object per kind (``AROUND_GRAPH``), so the pre- and
-    post-hook never recompile each other. ``around``: the model runs compiled code, so an eager
-    hook may run inside a compiled call, where it must not become a frame to compile itself
-    (off for an eager model: that guard costs microseconds a call)."""
+    Every hook shares one code object per kind (``AROUND_GRAPH``), which runs eagerly when
+    Dynamo meets it as a frame of its own (``_run_eagerly_as_frames``). ``around``: the model
+    runs compiled code, so the eager hook may run inside a compiled call, where nothing it
+    calls may become a frame Dynamo compiles (off for an eager model: that guard costs
+    microseconds a call)."""
     if around:
         eager = torch._dynamo.disable(eager)
 
