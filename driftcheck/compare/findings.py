@@ -22,6 +22,19 @@ class Findings:
         for k, e in tgt_map.items():
             if k not in ref_map:
                 extra[e.module].append(e)
+        compiled = bool(self.ref.run.get("compile") or self.tgt.run.get("compile"))
+        for side, gaps in (("target", missing), ("reference", extra)):
+            for mod in [m for m, es in gaps.items() if compiled and _gradients_only(es)]:
+                es = gaps.pop(mod)
+                self.findings.append(Finding(
+                    "compile.capture_gap", mod, es[0].step,
+                    f"{len(es)} gradient tensor(s) of this module exist only on the "
+                    f"{'reference' if side == 'target' else 'target'} (e.g. {es[0].key}): a "
+                    "compiled run's capture did not get them (a gradient computed inside a "
+                    "compiled graph that no hook sees, docs/compile.md); not judged",
+                    phase=es[0].phase, key=es[0].key, severity="warning",
+                    details={"count": len(es), "keys": [x.key for x in es[:10]],
+                             "missing_on": side}))
         for mod, es in missing.items():
             self.findings.append(Finding(
                 "alignment.missing_in_target", mod, es[0].step,
@@ -140,3 +153,8 @@ def _view_tolerance(c: Any) -> Callable[[dict[str, Any], dict[str, Any]], float]
     def tolerance(r: dict[str, Any], t: dict[str, Any]) -> float:
         return min(base + 2.0 * drift.get(r.get("step"), 0.0), max(base, VIEW_TOLERANCE_CAP))
     return tolerance
+
+
+def _gradients_only(entries: list) -> bool:
+    """Only a module call's output or input gradients (``backward``), none of its own values."""
+    return all(e.phase == "backward" and not e.slot.startswith("local.") for e in entries)
