@@ -186,7 +186,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         trained = compilation.wrap(trained, compile)
     elif user_compiled is not None and not parallel:
         trained = compilation.inline_hooks(user_compiled)
-    compiled = trained is not model and taps.compiled(trained) or taps.compiled(model)
+    compiled = taps.compiled(trained) or taps.compiled(model)
     optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
     if start and optimizer is not None:
         load_point_optimizer(optimizer, replay, start)

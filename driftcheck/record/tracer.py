@@ -181,7 +181,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
                 functools.partial(taps.post, tid, name, self.root_output_grads), post=True,
                 around=self.compiled),
                 with_kwargs=True))
-        if taps.compiled(self.model) or self.compiled:
+        if self.compiled:
             # Dynamo does not guard on module hooks: code compiled before they were added
             # would run without them, and code compiled with them would outlive the trace.
             torch._dynamo.reset()
