@@ -45,6 +45,33 @@ def _jit(**options):
     return decorate
 
 
+_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}
+
+
+def flat_view(t: torch.Tensor) -> np.ndarray:
+    """The elements of a contiguous host float32/float64/int64 tensor as a flat numpy array over
+    the same memory, for a kernel call that does not keep it. Not ``Tensor.numpy()``: that
+    marks the storage as not resizable for good, and FSDP frees an unsharded parameter by
+    resizing its storage to 0 ("Trying to resize storage that is not resizable")."""
+    if type(t) is not torch.Tensor or t.is_neg() or t.is_conj() or not t.is_contiguous() \
+            or t.requires_grad:
+        return t.numpy().reshape(-1)  # what numpy() refuses, it refuses here too
+    if t.numel() == 0:
+        return np.empty(0, dtype=_NUMPY_OF[t.dtype])
+    return np.asarray(_Memory(t))  # the array's base holds the tensor: its memory stays
+
+
+class _Memory:
+    """A contiguous host tensor's memory as numpy's array interface, holding the tensor."""
+
+    __slots__ = ("tensor", "__array_interface__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"shape": (t.numel(),), "typestr": np.dtype(_NUMPY_OF[t.dtype]).str,
+                                    "data": (t.data_ptr(), False), "version": 3}
+
+
 def host_array(t: torch.Tensor) -> np.ndarray:
     """A real tensor as the kernels read it: flat, on the host, float32 or float64 as stored,
     narrower floats (fp16, bf16, fp8) widened to float32 and integers/bool to float64, both
@@ -52,7 +79,7 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     x = t.detach().reshape(-1).to("cpu")  # move first, then widen: TPU/MPS have no float64
     if x.dtype not in (torch.float32, torch.float64):
         x = x.to(torch.float32 if x.is_floating_point() else torch.float64)
-    return x.numpy()
+    return flat_view(x.contiguous())
 
 
 # Partials returned by both passes, in this order.
@@ -385,3 +412,18 @@ def dense_stats(x):  # pragma: no cover (compiled)
         ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAGNITUDE_BITS)
     f = ends.view(np.float64)
     return s, sq, f[0], f[1]
+
+
+@_jit(fastmath=_FLAGS)
+def col_sumsq(x, k, out):  # pragma: no cover (compiled)
+    """out[j] = sum over rows r of x[r * k + j]^2 in float64: the column sums of squares of a
+    flat row-major (rows, k) float32/float64 array, in one pass and no temporary."""
+    rows = x.shape[0] // k
+    for j in range(k):
+        out[j] = 0.0
+    for r in range(rows):
+        row = x[r * k:(r + 1) * k]
+        for j in range(k):
+            v = np.float64(row[j])
+            out[j] += v * v
+

@@ -213,7 +213,7 @@ class HostSummaries:
         history, as numpy views into the blocks (``torch.from_numpy`` of the sample is what the
         trace stores), or None where it has no numpy view: the caller copies it instead."""
         try:
-            x = t.numpy().reshape(-1)  # a copy only when t is not contiguous
+            x = _kernels().flat_view(t.contiguous())  # a copy only when t is not contiguous
         except (RuntimeError, TypeError):
             return None
         blk = self._blocks.get(x.dtype)
@@ -244,7 +244,7 @@ def _large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
     from the array ``_large_stats`` reads (the same positions, bit for bit)."""
     if t.dtype not in (torch.float32, torch.float64):
         return sample_of(t, key, seed)
-    x = t.detach().reshape(-1).numpy()
+    x = _kernels().flat_view(t.detach().contiguous())
     out = np.empty(SAMPLE_SIZE, dtype=x.dtype)
     _kernels().gather_sample(x, _base_points(seed), zlib.crc32(key.encode()) / 2.0**32, out)
     return torch.from_numpy(out)
@@ -254,11 +254,18 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
     """One large host tensor in one compiled pass over its own dtype (float64 accumulation, no
     float64 copy). Any NaN/Inf shows in the sum or sum of squares, and then the masking float64
     path decides."""
+    row = _large_row(t)
+    return stats_vector(t) if row is None else torch.from_numpy(row)
+
+
+def _large_row(t: torch.Tensor) -> np.ndarray | None:
+    """``_large_stats`` as a float64 numpy row, or None where the values are not all finite (or
+    float64 overflows): the caller takes the exact masking path."""
     kernels = _kernels()
     x = kernels.host_array(t)
     s, sq, mn, mx = kernels.dense_stats(x)
-    if not all(math.isfinite(v) for v in (s, sq, mn, mx)):
-        return stats_vector(t)  # NaN/Inf (or a float64 overflow): the exact masking path
+    if not (math.isfinite(s) and math.isfinite(sq) and math.isfinite(mn) and math.isfinite(mx)):
+        return None
     l2 = math.sqrt(sq)
     n = x.size
     mean = s / n
@@ -267,11 +274,19 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
         std = math.sqrt(var)  # no cancellation to fear
     else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
         std = float(torch.std(torch.from_numpy(x), correction=0))
-    nan = float("nan")
-    # One host tensor from Python floats (the values are on the host already): building the row
-    # from 0-d tensors costs more than the pass over a mid-sized tensor.
-    return torch.tensor([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan],
-                        dtype=torch.float64)
+    nan = math.nan
+    return np.array([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan])
+
+
+def summarize_one(t: torch.Tensor, key: str, seed: int) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+    """(stats row, sample) of one capture as ``summarize`` gives them; for a large float
+    host tensor the row is a numpy array (no tensor built per capture: stats mode's cost)."""
+    if t.numel() >= BIG and t.dtype in _HOST_DTYPES and t.device.type == "cpu":
+        row = _large_row(t)
+        if row is not None:
+            return row, _large_sample(t, key, seed)
+    rows, samples = summarize([t], [key], seed)
+    return rows[0], samples[0]  # type: ignore[return-value]
 
 
 def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int

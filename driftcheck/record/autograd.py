@@ -141,6 +141,14 @@ class _GradAccumulator:
                     if self.shape is not None and g.shape != self.shape \
                             and g.numel() == math.prod(self.shape):
                         g = g.reshape(self.shape)
+                    if self.remaining == 1 and self.total is None:
+                        # The only edge: captured now, as any hooked tensor is (stats mode
+                        # summarises a large one in place; the capture copies what it keeps).
+                        self.remaining = 0
+                        if self.tracer._active:
+                            self.tracer._capture(self.name, "backward", self.call, self.slot, g,
+                                                 extra=self.ctx)
+                        continue
                     self.total = g.clone() if self.total is None else self.total + g
                 self.remaining -= 1
             if self.remaining == 0 and self.total is not None and self.tracer._active:

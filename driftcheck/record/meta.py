@@ -7,8 +7,10 @@ Computed on the tensors' device with no host sync; compare reads them from each 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,14 +151,29 @@ def backward_meta(ctx: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def _col_sumsq(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Column sums of squares of ``x`` seen as (-1, k): float32, on x's device; on the host, a
+    contiguous float32/float64 ``x`` in one compiled pass (float64 sums) without a temporary."""
+    if x.is_cpu and x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and x.numel():
+        from driftcheck import kernels  # numba: imported where it is used
+
+        out = np.empty(k, dtype=np.float64)
+        kernels.col_sumsq(kernels.flat_view(x), k, out)
+        return torch.from_numpy(out).float()
+    xs = x.reshape(-1, k)
+    xs = xs if xs.dtype == torch.float32 else xs.float()
+    return (xs * xs).sum(0)
+
+
 def magnitude_sq(m: nn.Module, x: torch.Tensor,
-                  weight_sq: dict[int, tuple[int, torch.Tensor]] | None = None) -> torch.Tensor | None:
+                  weight_sq: dict[Any, tuple] | None = None) -> torch.Tensor | None:
     """mean over output elements of sum_i x_i^2 w_i^2: the squared rms of sqrt(|x|^2 @ |W|^2).
 
     The probabilistic scale of a dot product's rounding error (Higham & Mary 2019) is
     u * sqrt(sum_i (x_i w_i)^2); computed from column sums, it costs O(input + weight).
     ``weight_sq`` caches a Linear's column sums of w^2 by weight (id -> (version, sums)): the
-    weights do not change between optimizer steps, and a module may be called many times.
+    weights do not change between optimizer steps, and a module may be called many times; and
+    an input's (key ("x", id)), for the projections that share it.
     """
     w = getattr(m, "weight", None)
     if not isinstance(w, torch.Tensor) or not isinstance(x, torch.Tensor) or not floating(x):
@@ -168,19 +185,26 @@ def magnitude_sq(m: nn.Module, x: torch.Tensor,
         dense = _dense(m)
         if dense is not None and x.shape[-1] == dense[0]:
             k, n_out = dense
-            xs = x.detach().reshape(-1, k)
-            if xs.dtype != acc:
-                xs = xs.to(acc)
             cached = weight_sq.get(id(w)) if weight_sq is not None else None
             if cached is not None and cached[0] == w._version:
                 sw = cached[1]
             else:
-                wd = w.detach() if w.dtype == acc else w.detach().to(acc)
-                sw = (wd * wd).sum(0 if isinstance(m, nn.Linear) else 1)  # (K,)
+                linear = isinstance(m, nn.Linear)
+                sw = _col_sumsq(w.detach() if linear else w.detach().t(), k)  # (K,)
                 if weight_sq is not None:
                     weight_sq[id(w)] = (w._version, sw)
+            xk = weight_sq.get(("x", id(x))) if weight_sq is not None else None
+            if xk is not None and xk[0]() is x and xk[1] == (x._version, x.shape, x.stride()):
+                sx = xk[2]  # the same input to another projection (q, k and v; gate and up)
+            else:
+                sx = _col_sumsq(x.detach(), k)
+                if weight_sq is not None:
+                    try:
+                        weight_sq[("x", id(x))] = (weakref.ref(x), (x._version, x.shape, x.stride()), sx)
+                    except (TypeError, RuntimeError):  # not weak-referenceable, no version
+                        pass
             rows = max(x.numel() // k, 1)
-            return torch.dot((xs * xs).sum(0), sw) / (rows * n_out)
+            return torch.dot(sx, sw.to(sx)) / (rows * n_out)
         if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
             # weight (C_out, C_in/g, *kernel); a transposed one's is (C_in, C_out/g, *kernel),
             # and an output position of it gets ~kernel/stride taps

@@ -234,8 +234,9 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self._start_seq: dict[tuple[str, int], int] = {}
         self._span_start: dict[tuple[str, int], int] = {}  # a call's first sequence number
         self._spans: list[tuple[int, int, str]] = []  # (first, end, "<module>#<call>"), in post-order
-        self._summaries: dict[int, tuple[Any, tuple | None, torch.Tensor]] = {}
-        self._weight_sq: dict[int, tuple[int, torch.Tensor]] = {}
+        self._summaries: dict[int, tuple[Any, ...]] = {}  # id -> (ref, identity, row, key, sample)
+        self._carried: dict[int, tuple[Any, ...]] = {}  # the step before's, for its parameters
+        self._weight_sq: dict[Any, tuple] = {}  # meta.magnitude_sq's column sums
         # id(output node) -> (start sequence number, the node, exit edges) of this step's calls
         self._exits: dict[int, tuple[int, Any, list[tuple[Any, int, Any, int]]]] = {}
 
@@ -272,9 +273,15 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
             h.remove()
         self._node_handles.clear()
         self.step_index += 1
+        known = self._summaries
         self._reset_step()
         if self._active:
+            # The parameters before the next step are, unless written since, those just
+            # captured after the update: summarised again only where changed (capture.py:
+            # _carried_summary).
+            self._carried = known
             self._capture_state("params")
+            self._carried = {}
 
     # -- state captures ------------------------------------------------------------------------
     def _capture_state(self, phase: str) -> None:

@@ -487,3 +487,85 @@ def test_large_gradients_summarised_in_their_hook_are_the_accumulated_ones(tmp_p
         whole = rf.tensor(full[k]).reshape(-1)
         idx = torch.from_numpy(stats.sample_indices(k, whole.numel(), 0))
         assert torch.equal(rs.tensor(summ[k], "sample"), whole[idx])
+
+
+def _big_linear_run(tmp_path, between=None, steps=3):
+    """Stats mode over a Linear whose weight is large (>= stats.BIG): after each update, the
+    weight's summary; ``between(model)`` runs after optimizer.step() and before t.step()."""
+    import driftcheck
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 512)
+    with driftcheck.trace(model, str(tmp_path / "t"), mode="stats", optimizer=opt, force=True) as t:
+        for _ in range(steps):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if between is not None:
+                between(model)
+            t.step(loss)
+    return {(e["step"], e["phase"], e["slot"]): e["stats"]
+            for e in TraceReader(tmp_path / "t").entries if e["module"] == ""}
+
+
+def test_parameters_before_a_step_reuse_the_summary_after_the_last_update(tmp_path, monkeypatch):
+    calls = []
+    real = stats.summarize_one
+    monkeypatch.setattr(stats, "summarize_one", lambda t, k, s: calls.append(k) or real(t, k, s))
+    st = _big_linear_run(tmp_path)
+    for step in (1, 2):  # the weight before step N is the weight after step N-1's update
+        assert st[(step, "params", "param.weight")] == st[(step - 1, "optimizer", "param.weight")]
+    # One pass before step 0 and one after each of the 3 updates (an update's sample key is
+    # its step's parameters'); none for the parameters before steps 1 and 2.
+    assert len([k for k in calls if k.endswith("params/./0/param.weight")]) == 1 + 3
+
+
+def test_a_write_through_data_between_update_and_step_is_summarised_again(tmp_path):
+    # ``.data`` writes bump no version counter; the sample taken after the update no longer
+    # matches, so the weight before the next step is summarised from what it now holds.
+    def clamp(model):
+        model.weight.data.clamp_(-0.01, 0.01)  # WGAN's weight clipping
+
+    st = _big_linear_run(tmp_path, between=clamp)
+    for step in (1, 2):
+        before = st[(step, "params", "param.weight")]
+        assert before["absmax"] <= 0.01 + 1e-9
+        assert st[(step - 1, "optimizer", "param.weight")]["absmax"] > 0.01
+
+
+def test_a_step_hands_its_samples_to_the_writer_in_one_block(tmp_path):
+    # Samples held one by one until their shard is written fragment the heap (resident memory
+    # grew every step): a step's samples are views into one block per dtype.
+    import driftcheck
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    with driftcheck.trace(model, str(tmp_path / "t"), mode="stats", force=True) as t:
+        model(torch.randn(4, 64)).sum().backward()
+        t.step()
+        held = [x for name, x in t.writer._pending if name.endswith("#sample")]
+        assert len(held) > 20
+        assert len({x.untyped_storage().data_ptr() for x in held}) == 1
+    reader = TraceReader(tmp_path / "t")
+    e = next(e for e in reader.entries if e["module"] == "2" and e["slot"] == "output")
+    assert reader.tensor(e, "sample").numel() == min(e["stats"]["numel"], stats.SAMPLE_SIZE)
+
+
+def test_summarising_a_tensor_leaves_its_storage_resizable():
+    # Tensor.numpy() marks a storage not resizable for good; FSDP frees an unsharded parameter
+    # by resizing its storage to 0, which then raised inside the backward.
+    from driftcheck import kernels
+
+    t = torch.randn(stats.BIG + 5)
+    small = torch.randn(100)
+    stats.summarize_one(t, "k", 0)
+    stats.HostSummaries(0).take(small, "s")
+    view = kernels.flat_view(t)
+    assert np.array_equal(view, t.detach().clone().numpy()) and view.base is not None
+    del view
+    for x in (t, small):
+        x.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable"
+        assert x.untyped_storage().nbytes() == 0

@@ -285,13 +285,20 @@ def test_the_magnitude_cache_follows_in_place_weight_updates():
     cache: dict = {}
     first = _magnitude_sq(lin, x, cache)
     assert torch.allclose(first, _magnitude_sq(lin, x), rtol=1e-6)
-    assert _magnitude_sq(lin, x, cache) is not first and len(cache) == 1
+    assert _magnitude_sq(lin, x, cache) is not first
+    assert len([k for k in cache if not isinstance(k, tuple)]) == 1  # one weight's column sums
+    assert len([k for k in cache if isinstance(k, tuple)]) == 1  # one input's, shared
     with torch.no_grad():
         lin.weight.mul_(3.0)  # an optimizer step: the version counter moves
     again = _magnitude_sq(lin, x, cache)
     assert torch.allclose(again, 9 * first, rtol=1e-5)
     want = ((x**2) @ (lin.weight.detach()**2).t()).mean()
     assert torch.allclose(again, want, rtol=1e-5)
+    x.mul_(2.0)  # the input written in place: its column sums are taken again
+    assert torch.allclose(_magnitude_sq(lin, x, cache), 4 * want, rtol=1e-5)
+    other = torch.nn.Linear(6, 5)  # another projection of the same input (q, k, v)
+    want_other = ((x**2) @ (other.weight.detach()**2).t()).mean()
+    assert torch.allclose(_magnitude_sq(other, x, cache), want_other, rtol=1e-5)
 
 
 class _Deep(nn.Module):
