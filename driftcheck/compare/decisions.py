@@ -40,6 +40,23 @@ def _one_dim_differs(a: list[int], b: list[int]) -> bool:
     return len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
 
 
+def _grid_step(x: Any) -> float | None:
+    """The spacing of a tensor's values where they lie on a grid (at most half as many levels
+    as values, every gap a whole multiple of the smallest), else None."""
+    if x is None or x.numel() < 4:
+        return None
+    v = x.double().reshape(-1)
+    v = v[v.isfinite()].unique()  # sorted
+    if v.numel() < 2 or v.numel() > x.numel() // 2:
+        return None
+    gaps = v[1:] - v[:-1]
+    step = float(gaps.min())
+    if step <= 0.0:
+        return None
+    q = gaps / step
+    return step if bool(((q - q.round()).abs() <= 1e-3 * q.clamp(min=1.0)).all()) else None
+
+
 class Decisions:
     """The decisions part of :class:`driftcheck.compare.Comparison`."""
 
@@ -96,6 +113,38 @@ class Decisions:
         if own and own[0]:
             how["own_near_tie_share"] = own[k] / own[0]
         return max(FLIP_BASE, near), how
+
+    def _rounding_allowance(self, r: TraceEntry) -> tuple[float, float, dict[str, Any]] | None:
+        """(rms, max) error a float forward entry may carry where the code that made it rounded
+        to a grid (record/watch.py: rounding_profile): a share p of its elements a whole step
+        apart, p the share of roundings within DECISION_SPREAD times the error of what was
+        rounded (the call's inputs, parameters and children's outputs) of a boundary; the step
+        read off the reference's values (a grid: few levels, spaced by multiples of one step).
+        None where the call rounded nothing or the values are on no grid."""
+        call = self._deciding_call(r)
+        if call is None or r.phase != "forward" or not dtypes.is_float(r.dtype):
+            return None
+        prof = next((o.meta["round_profile"] for o in self.ref_index.fwd_out.get(call, [])
+                     if o.meta.get("round_profile")), None)
+        if not prof or not prof[0]:
+            return None
+        s = call[0]
+        err = 0.0
+        for d in self.ref_index.fwd_in.get(call, []) + self.ref_index.params.get((s, call[1]), []) \
+                + [o for m, k in self.ref_index.children.get(call, [])
+                   for o in self.ref_index.fwd_out.get((s, m, k), [])]:
+            e = self.errors.get(d.align)
+            if e is not None and d.align != r.align and dtypes.is_float(d.dtype) and math.isfinite(e.rel_max):
+                err = max(err, e.rel_max)
+        if err <= 0.0:
+            return None
+        step = _grid_step(self.ref.tensor(r.raw, "tensor" if "tensor" in r.raw else "sample"))
+        if step is None:
+            return None
+        k = math.floor(math.log2(2.0 / (DECISION_SPREAD * err))) if DECISION_SPREAD * err < 2.0 else 0
+        p = prof[min(max(k, 0), len(prof) - 1)] / prof[0]
+        return step * math.sqrt(p), step, {"near_boundary_share": p, "step": step,
+                                           "rounded_rel_error": err, "call": f"{call[1]}#{call[2]}"}
 
     def _rerouted(self, r: TraceEntry, t: TraceEntry) -> str | None:
         """The key of the flipped decision that explains a shape mismatch of ``r``, or None: a

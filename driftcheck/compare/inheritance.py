@@ -170,7 +170,9 @@ class Inheritance:
             for d, x in zip(deps, inh):
                 if w_max and d.phase == "backward" and d.module == r.module \
                         and d.slot.startswith("grad_output"):
-                    inh_max = max(inh_max, _linear_rel(x.max * w_max, ref_max))
+                    # measured, or as passed on (kink flips a sample does not hold: judge.py)
+                    g_max = max(x.max, x.rel_max * x.mu * (d.stats.get("absmax") or 0.0))
+                    inh_max = max(inh_max, _linear_rel(g_max * w_max, ref_max))
         if r.phase == "optimizer" and r.slot.endswith(SQUARED_STATE):
             # a second moment squares the gradient: twice its relative error, before KAPPA
             inh_rms, inh_max = 2.0 * inh_rms, 2.0 * inh_max

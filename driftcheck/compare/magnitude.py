@@ -15,6 +15,16 @@ LINEAR_STATE = ("exp_avg", "momentum_buffer")  # optimizer moments linear in the
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq", "sum")  # ... in its square
 
 
+# Activations whose derivative's terms stay within ~1 of |g| (no kink: the hard variants are
+# piecewise, compare/kinks.py); matched in the module's type name, lower-cased.
+_SMOOTH = ("gelu", "silu", "swish", "mish", "tanh", "sigmoid", "elu", "softplus")
+
+
+def smooth_activation(module_type: str | None) -> bool:
+    name = (module_type or "").lower()
+    return "hard" not in name and any(k in name for k in _SMOOTH)
+
+
 class Magnitudes:
     """The operand-magnitude part of :class:`driftcheck.compare.Comparison`."""
 
@@ -36,6 +46,13 @@ class Magnitudes:
         if ph == "backward" and slot.startswith("grad_input") \
                 and r.meta.get("kind") in ("norm", "batchnorm"):
             return self._norm_grad_magnitude(r)
+        if ph == "backward" and slot.startswith("grad_input") and smooth_activation(r.meta.get("module_type")):
+            # g * f'(x): f' is computed from terms of magnitude ~1 (GELU's Phi(x) + x phi(x),
+            # tanh's 1 - tanh^2) that cancel where f' is near 0, so its rounding scales with |g|,
+            # not with |g f'(x)| (SEW's GELU between 1 and 2 threads: the vectorized and the
+            # scalar tail loop split the elements otherwise, 3.55 under the local replay).
+            return max((rms_of(e.stats) for e in self.ref_index.gout.get((s, m, r.call), [])[:1]),
+                       default=0.0)
         if ph != "grads":
             return 0.0
         if not self.ref_index.calls.get((s, m)):

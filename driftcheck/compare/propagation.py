@@ -15,6 +15,7 @@ class Propagated(NamedTuple):
     max: float  # absolute max error
     mu: float = 1.0  # magnitude / rms of the reference (> 1 where terms cancel)
     sparse: float = 0.0  # relative error a sample cannot show (kink flips upstream)
+    sparse_max: float = 0.0  # ... and its largest element (a flip: a whole gradient element)
 
 
 WRONG = Propagated(fl.REL_CAP, fl.REL_CAP, 0.0, 0.0)  # misaligned: fully wrong, no measured size

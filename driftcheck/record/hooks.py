@@ -132,6 +132,9 @@ class ForwardHooks:
         decisions = self._decisions.pop((name_, call), None)
         if decisions is not None:  # the indices its code computed, by margin (record/watch.py)
             dev_meta = dict(dev_meta or {}, decision_profile=decisions)
+        roundings = self._roundings.pop((name_, call), None)
+        if roundings is not None:  # what its code rounded to a grid, by margin
+            dev_meta = dict(dev_meta or {}, round_profile=roundings)
         ctc = self._ctc.pop((name_, call), None)
         if ctc:  # this call's code computed a CTC loss over that many frames
             ctx = dict(ctx, ctc_frames=ctc)

@@ -228,6 +228,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
         self._ctc: dict[tuple[str, int], int] = {}  # (module, call) -> frames of its CTC loss
         self._decisions: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> margin counts
+        self._roundings: dict[tuple[str, int], torch.Tensor] = {}  # ... of what its code rounded
         self._tap_ctx: dict[tuple[str, int], dict[str, Any]] = {}  # a tapped call's backward meta
         self._bn_deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}

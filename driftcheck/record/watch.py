@@ -128,16 +128,45 @@ def decision_profile(name: str, args: tuple, kwargs: dict) -> torch.Tensor | Non
     return kink_profile_of(rel.reshape(-1), torch.ones((), device=rel.device))
 
 
+# Rounding to a grid in the model's own code (a VAE's latents quantized to uint8 levels,
+# fake quantization) flips an element by a whole step where its error carries it across a
+# boundary. Per rounding, its margins (the distance to the nearest boundary) by size relative to
+# 2 absmax of what is rounded, as decisions' (compare/decisions.py: _rounding_allowance).
+_ROUNDINGS = frozenset({"round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_"})
+
+
+def rounding_profile(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """counts[k] = elements whose distance to a rounding boundary is <= 2 absmax 2^-k."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0 \
+            or x.numel() > DECISION_ELEMS:
+        return None
+    decimals = kwargs.get("decimals", 0) if name.startswith("round") else 0
+    if not isinstance(decimals, int):
+        return None
+    with torch.no_grad():
+        z = x.detach().float() * (10.0 ** decimals)
+        frac = z - z.floor()
+        # round: the boundary is at frac 0.5; floor/ceil/trunc: at the integers
+        margin = (frac - 0.5).abs() if name.startswith("round") else torch.minimum(frac, 1.0 - frac)
+        za = torch.where(torch.isfinite(z), z.abs(), torch.zeros((), device=z.device))
+        return kink_profile_of(margin.reshape(-1) / (10.0 ** decimals),
+                               2.0 * za.amax() / (10.0 ** decimals))
+
+
 class LogitWatch(TorchFunctionMode):
     """While active, ``on_logits(absmax)`` gets the weighted |logit| max of every softmax,
     cross-entropy and scaled_dot_product_attention call (a device scalar: no sync),
     ``on_ctc(frames)`` the time length of every CTC loss, and ``on_decision(profile)`` the
-    margin profile of every argmax/argmin/top-k/sort and max/min over a dim."""
+    margin profile of every argmax/argmin/top-k/sort and max/min over a dim, and
+    ``on_rounding(profile)`` that of every round/floor/ceil/trunc."""
 
     def __init__(self, on_logits: Callable[[torch.Tensor], None],
                  on_ctc: Callable[[int], None] | None = None,
-                 on_decision: Callable[[torch.Tensor], None] | None = None) -> None:
+                 on_decision: Callable[[torch.Tensor], None] | None = None,
+                 on_rounding: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
+        self.on_rounding = on_rounding
         self.on_logits = on_logits
         self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
         self.on_decision = on_decision
@@ -172,6 +201,10 @@ class LogitWatch(TorchFunctionMode):
                 prof = decision_profile(name, args, kwargs)
                 if prof is not None:
                     self.on_decision(prof)
+            elif name in _ROUNDINGS and self.on_rounding is not None:
+                prof = rounding_profile(name, args, kwargs)
+                if prof is not None:
+                    self.on_rounding(prof)
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
             pass  # a layout this does not know: the floor goes without the amplification
         return func(*args, **kwargs)
@@ -202,7 +235,7 @@ class Watching:
         Dynamo would trace the mode into the graph."""
         if self.compiled and code in ("forward", "loop"):
             return contextlib.nullcontext()
-        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision)
+        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision, self._on_rounding)
 
     def _on_ctc(self, frames: int) -> None:
         if self._replaying or not self._stack or not self._active:
@@ -216,6 +249,13 @@ class Watching:
         key = self._stack[-1] if self._stack else LOSS_CODE
         prev = self._decisions.get(key)
         self._decisions[key] = profile if prev is None else prev + profile
+
+    def _on_rounding(self, profile: torch.Tensor) -> None:
+        if self._replaying or not self._active or not self._stack:
+            return
+        key = self._stack[-1]
+        prev = self._roundings.get(key)
+        self._roundings[key] = profile if prev is None else prev + profile
 
     def _on_logits(self, absmax: torch.Tensor) -> None:
         if self._replaying or not self._active:

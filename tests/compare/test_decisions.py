@@ -241,3 +241,71 @@ def test_a_lookup_fault_after_rare_flips_still_caught_from_samples(tmp_path):
     rep = _pair(tmp_path, _vq_plain(2), mode="stats", dtype="fp32", local=False,
                 hooks=scale_output("quantize.embedding", 1.3))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "quantize.embedding", rep.decided_by
+
+
+# -- rounding to a grid in the model's own code: a VAE whose latents are stored as uint8 levels ----
+def test_rounding_profile_counts_margins_to_the_boundary():
+    from driftcheck.record.watch import rounding_profile
+
+    x = torch.tensor([0.5001, 1.9, 2.25, -3.0])  # margins to .5 boundaries: 1e-4, 0.4, 0.25, 0.5
+    prof = rounding_profile("round", (x,), {})
+    # over 2 x absmax (6): 1.7e-5, 0.067, 0.042, 0.083
+    assert prof[0] == 4 and prof[3] == 4 and prof[4] == 2 and prof[5] == 1 and prof[15] == 1 and prof[16] == 0
+    floor = rounding_profile("floor", (torch.tensor([2.999, 1.5]),), {})  # margins 1e-3, 0.5
+    assert floor[0] == 2 and floor[3] == 2 and floor[4] == 1 and floor[12] == 1 and floor[13] == 0
+    assert rounding_profile("round", (torch.arange(3),), {}) is None  # integers: nothing rounded
+
+
+def test_grid_step_reads_the_spacing_of_quantized_values():
+    from driftcheck.compare.decisions import _grid_step
+
+    levels = (torch.tensor([3, 5, 5, 9, 3, 3, 8, 5, 9, 9]).float() - 127.5) * (6 / 255)
+    assert _grid_step(levels) == pytest.approx(6 / 255, rel=1e-5)
+    assert _grid_step(torch.randn(100)) is None  # continuous values: no grid
+    assert _grid_step(torch.tensor([0.0, 0.0, 1.0, 1.0, 2.5, 2.5, 0.0, 1.0])) is None  # 1 and 1.5 apart
+
+
+class _Quantized(nn.Module):
+    """An encoder whose latents are rounded to 256 levels around zero (a boundary at 0, as
+    AutoencoderTiny's scale_latents puts it), then decoded."""
+
+    def __init__(self, floor_instead: bool = False) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.dec = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 3, 1))
+        self.floor_instead = floor_instead
+
+    def forward(self, x):
+        z = self.enc(x)
+        scaled = z.float().div(6.0).add(0.5).clamp(0, 1).mul(255)
+        q = scaled.floor() if self.floor_instead else scaled.round()
+        return self.dec((q / 255 - 0.5).mul(6.0).to(z.dtype))
+
+
+def _quantized(floor_instead=False):
+    def make():
+        torch.manual_seed(0)
+        model = _Quantized(floor_instead)
+        with torch.no_grad():
+            model.enc.weight.mul_(0.05)  # small latents: many sit next to the boundary at 0
+        g = torch.Generator().manual_seed(1)
+        inputs = [torch.randn(2, 3, 16, 16, generator=g) for _ in range(2)]
+        return Scenario(model=model, inputs=inputs, loss=lambda out, b: out.float().pow(2).mean(),
+                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), steps=2)
+    return make
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_latents_rounded_to_a_grid_pass_where_rounding_flips_them(tmp_path, mode):
+    rep = _pair(tmp_path, _quantized(), mode=mode, local=False)
+    assert rep.verdict == "pass", (rep.decided_by, _worst(rep))
+    rounded = [e for e in rep.entries if e.module == "dec" and e.slot == "input.0"
+               and e.details.get("rounding") and e.metrics.get("max_abs")]
+    assert rounded, "the clean target flips no level: the case shows nothing"
+
+
+def test_latents_floored_instead_of_rounded_are_caught(tmp_path):
+    def wrong(model):
+        model.floor_instead = True
+    rep = _pair(tmp_path, _quantized(), dtype="fp32", local=False, hooks=wrong)
+    assert rep.verdict == "fail" and rep.first_divergence["module"] in ("", "dec"), rep.decided_by
