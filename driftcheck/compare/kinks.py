@@ -53,6 +53,15 @@ class Kinks:
         a = (s, "forward", mod, call, slot[len("grad_"):])
         return self.ref_index.by_align.get(a), self.tgt_map.get(a)
 
+    def _decided_on_host(self, r: TraceEntry) -> bool:
+        """Whether the code that consumed output ``r`` (its parent's, or its own: a model
+        computing its loss) took float values to the host (record/watch.py: _TO_HOST)."""
+        calls = [c for c in (self.ref_index.parent_of(r), (r.step, r.module, r.call)) if c is not None]
+        outs = [e for c in calls for e in self.ref_index.fwd_out.get(c, ())]
+        if not r.module:  # the model's outputs: the loss code's too (the loss entry's meta)
+            outs += list(self.ref_index.loss.get(r.step, ()))
+        return any(e.meta.get("host_decisions") for e in outs)
+
     def _kink_flips(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], floor_max: float,
                     which: str = "tensor", local: bool = False) -> dict[str, Any]:
         """Gradients through ReLU-like kinks (relu, max-pool, clamp) switch on or off where the
@@ -117,6 +126,12 @@ class Kinks:
         # Without the forward input, allow what rounding near zero typically produces, or (a
         # stats-mode sample) what the input's kink profile says came that close.
         share = max(4, int(SELECTION_SHARE * rt.numel()))
+        if not own and self._decided_on_host(r):
+            # The code that consumed the output took values to the host and selected there
+            # (a DETR loss's Hungarian matching): on near ties another element may be picked,
+            # which moves whole gradients (hf_yolos under autocast: a box matched to query 1,
+            # not 2). Those positions are counted, not judged; the others are.
+            share = rt.numel()
         if crossings is not None:
             allowed = 2 * crossings + 4
             if not own:

@@ -135,6 +135,9 @@ class ForwardHooks:
         roundings = self._roundings.pop((name_, call), None)
         if roundings is not None:  # what its code rounded to a grid, by margin
             dev_meta = dict(dev_meta or {}, round_profile=roundings)
+        host = self._host_decisions.pop((name_, call), None)
+        if host:  # its code took float values to the host (a decision torch does not see)
+            ctx = dict(ctx, host_decisions=host)
         ctc = self._ctc.pop((name_, call), None)
         if ctc:  # this call's code computed a CTC loss over that many frames
             ctx = dict(ctx, ctc_frames=ctc)

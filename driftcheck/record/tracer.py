@@ -229,6 +229,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self._ctc: dict[tuple[str, int], int] = {}  # (module, call) -> frames of its CTC loss
         self._decisions: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> margin counts
         self._roundings: dict[tuple[str, int], torch.Tensor] = {}  # ... of what its code rounded
+        self._host_decisions: dict[tuple[str, int], int] = {}  # float tensors its code took to numpy
         self._tap_ctx: dict[tuple[str, int], dict[str, Any]] = {}  # a tapped call's backward meta
         self._bn_deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
@@ -244,8 +245,9 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
     def record_loss(self, loss: torch.Tensor) -> None:
         """Capture the step's loss (phase ``loss``)."""
         logits = self._logits.pop(LOSS_CODE, None)
+        host = self._host_decisions.pop(LOSS_CODE, None)  # the loss code's (record/watch.py)
         if self._capturing("loss") and isinstance(loss, torch.Tensor):
-            self._capture("", "loss", 0, "loss", loss,
+            self._capture("", "loss", 0, "loss", loss, extra={"host_decisions": host} if host else None,
                           dev_meta={"logit_absmax": logits} if logits is not None else None)
 
     def step(self, loss: torch.Tensor | None = None) -> None:

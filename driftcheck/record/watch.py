@@ -135,6 +135,12 @@ def decision_profile(name: str, args: tuple, kwargs: dict) -> torch.Tensor | Non
 _ROUNDINGS = frozenset({"round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_"})
 
 
+# A decision taken outside torch on values the code moved to the host (scipy's Hungarian
+# matching of a DETR-style loss, on a cost matrix): no margin to record, but which elements
+# receive a gradient may change on near ties. Counted per module call (meta "host_decisions").
+_TO_HOST = frozenset({"__array__", "numpy", "tolist"})
+
+
 def rounding_profile(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """counts[k] = elements whose distance to a rounding boundary is <= 2 absmax 2^-k."""
     x = args[0] if args else kwargs.get("input")
@@ -201,6 +207,10 @@ class LogitWatch(TorchFunctionMode):
                 prof = decision_profile(name, args, kwargs)
                 if prof is not None:
                     self.on_decision(prof)
+            elif name in _TO_HOST and self.on_rounding is not None:
+                x = args[0] if args else None
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1:
+                    self.on_rounding(None)  # values decided on outside torch
             elif name in _ROUNDINGS and self.on_rounding is not None:
                 prof = rounding_profile(name, args, kwargs)
                 if prof is not None:
@@ -250,10 +260,16 @@ class Watching:
         prev = self._decisions.get(key)
         self._decisions[key] = profile if prev is None else prev + profile
 
-    def _on_rounding(self, profile: torch.Tensor) -> None:
-        if self._replaying or not self._active or not self._stack:
+    def _on_rounding(self, profile: torch.Tensor | None) -> None:
+        """A rounding's margin profile, or None: float values taken to the host."""
+        if self._replaying or not self._active:
             return
-        key = self._stack[-1]
+        key = self._stack[-1] if self._stack else LOSS_CODE
+        if profile is None:
+            self._host_decisions[key] = self._host_decisions.get(key, 0) + 1
+            return
+        if not self._stack:
+            return  # the loss code's rounding: nothing of the model's it feeds
         prev = self._roundings.get(key)
         self._roundings[key] = profile if prev is None else prev + profile
 
