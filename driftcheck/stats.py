@@ -234,9 +234,9 @@ class HostSummaries:
 
 @functools.cache
 def _kernels():
-    from driftcheck import kernels  # numba: imported where it is used, once
+    from driftcheck import summary_kernels  # numba: imported where it is used, once
 
-    return kernels
+    return summary_kernels
 
 
 def _large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:

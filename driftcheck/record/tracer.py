@@ -225,11 +225,10 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self._grads: dict[int, Any] = {}  # id(param) -> a copy, or (tensor, (stats row, sample))
         self._updated = False
         self._bn_before: dict[tuple[str, int], Any] = {}
-        self._logits: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> |logit| max
-        self._ctc: dict[tuple[str, int], int] = {}  # (module, call) -> frames of its CTC loss
-        self._decisions: dict[tuple[str, int], torch.Tensor] = {}  # (module, call) -> margin counts
-        self._roundings: dict[tuple[str, int], torch.Tensor] = {}  # ... of what its code rounded
-        self._host_decisions: dict[tuple[str, int], int] = {}  # float tensors its code took to numpy
+        # (module, call) -> what its code did, as the watch saw it (record/watch.py): the largest
+        # |logit| with weight, a CTC loss's frames, margin counts of its decisions and of what it
+        # rounded, how many float tensors it took to the host
+        self._logits, self._ctc, self._decisions, self._roundings, self._host_decisions = {}, {}, {}, {}, {}
         self._tap_ctx: dict[tuple[str, int], dict[str, Any]] = {}  # a tapped call's backward meta
         self._bn_deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
@@ -278,10 +277,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self.step_index += 1
         known = self._summaries
         self._reset_step()
-        if self._active:
-            # The parameters before the next step are, unless written since, those just
-            # captured after the update: summarised again only where changed (capture.py:
-            # _carried_summary).
+        if self._active:  # the parameters after the update, unless changed (_carried_summary)
             self._carried = known
             self._capture_state("params")
             self._carried = {}

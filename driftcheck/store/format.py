@@ -277,11 +277,14 @@ def _check_meta(i: int, meta: Any) -> None:
             raise FormatError(f"manifest entry {i} meta {k!r} is not a string")
     if meta.get("k") is not None and not (_is_int(meta["k"]) and meta["k"] >= 0):
         raise FormatError(f"manifest entry {i} meta 'k' is not a non-negative integer")
-    for k in ("kink_profile", "decision_profile"):
+    for k in ("kink_profile", "decision_profile", "round_profile"):
         prof = meta.get(k)
         if prof is not None and not (isinstance(prof, list) and 0 < len(prof) <= 64
                                      and all(_is_int(c) and 0 <= c <= 2**53 for c in prof)):
             raise FormatError(f"manifest entry {i} meta {k!r} is not a list of counts")
+    for k in ("host_decisions", "ctc_frames"):
+        if meta.get(k) is not None and not (_is_int(meta[k]) and meta[k] >= 0):
+            raise FormatError(f"manifest entry {i} meta {k!r} is not a non-negative integer")
     if meta.get("k_grad") is not None and not (_is_int(meta["k_grad"]) and meta["k_grad"] >= 0):
         raise FormatError(f"manifest entry {i} meta 'k_grad' is not a non-negative integer")
     dims = meta.get("norm_dims")

@@ -1,0 +1,192 @@
+"""The compiled inner loops of stats mode on the host (``stats.summarize``, the capture hooks):
+``segment_stats`` (statistics of many small captures laid end to end), ``dense_stats`` (one
+large capture), ``sample_positions`` and ``gather_sample`` (the seeded sample), ``summarize_into``
+(statistics and sample of one capture, taken in its hook) and ``col_sumsq`` (a Linear's operand
+magnitude, record/meta.py). Pure numerics, no I/O; compiled by numba on first use, as
+``kernels``, whose conventions they share (float64 sums, reassociated, never approximated).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from driftcheck.kernels import _BLOCK, _FLAGS, _jit, flat_view, host_array  # noqa: F401  (re-exported)
+
+
+@_jit()
+def segment_stats(x, lengths, out):  # pragma: no cover (compiled)
+    """Summary statistics of consecutive segments of ``x`` (float32 or float64), one row of
+    ``out`` (float64, ``(len(lengths), 9)``) per segment, columns as ``stats.FIELDS``: min, max,
+    mean, std (population), absmax, l2 over the finite values (NaN for min..std without any,
+    absmax 0), then the NaN count, the Inf count and the length. Two passes per segment (the
+    mean, then the squared deviations from it): no cancellation for |mean| >> std. A segment
+    whose sums come out finite has no NaN/Inf and takes the vectorized passes."""
+    start = 0
+    for k in range(lengths.shape[0]):
+        n = lengths[k]
+        seg = x[start:start + n]
+        start += n
+        row = out[k]
+        row[8] = n
+        s, sq, lo, hi = dense_stats(seg)
+        if n > 0 and math.isfinite(s) and math.isfinite(sq):
+            mean = s / n
+            row[0] = lo
+            row[1] = hi
+            row[2] = mean
+            row[3] = math.sqrt(_squared_deviation(seg, mean) / n)
+            row[4] = max(abs(lo), abs(hi))
+            row[5] = math.sqrt(sq)
+            row[6] = 0.0
+            row[7] = 0.0
+        else:
+            _segment_general(seg, row)
+
+
+@_jit(fastmath=_FLAGS)
+def _squared_deviation(seg, mean):  # pragma: no cover (compiled)
+    dev = 0.0
+    for j in range(seg.shape[0]):
+        d = np.float64(seg[j]) - mean
+        dev += d * d
+    return dev
+
+
+@_jit()
+def _segment_general(seg, row):  # pragma: no cover (compiled)
+    """``segment_stats`` of one segment holding NaN/Inf (or overflowing float64 squares)."""
+    n = seg.shape[0]
+    count = 0
+    nan = 0
+    inf = 0
+    s = 0.0
+    sq = 0.0
+    lo = math.inf
+    hi = -math.inf
+    for j in range(n):
+        v = np.float64(seg[j])
+        if math.isfinite(v):
+            count += 1
+            s += v
+            sq += v * v
+            lo = min(lo, v)
+            hi = max(hi, v)
+        elif math.isnan(v):
+            nan += 1
+        else:
+            inf += 1
+    row[6] = nan
+    row[7] = inf
+    row[5] = math.sqrt(sq)
+    if count == 0:
+        row[0] = row[1] = row[2] = row[3] = math.nan
+        row[4] = 0.0
+        return
+    mean = s / count
+    dev = 0.0
+    for j in range(n):
+        v = np.float64(seg[j])
+        if math.isfinite(v):
+            dev += (v - mean) * (v - mean)
+    row[0] = lo
+    row[1] = hi
+    row[2] = mean
+    row[3] = math.sqrt(dev / count)
+    row[4] = max(abs(lo), abs(hi))
+
+
+@_jit()
+def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (compiled)
+    """Stats-mode sample positions of many tensors (``stats.sample_indices``): row i of ``out`` is min(floor(((base + shifts[i]) mod 1) * lengths[i]),
+    lengths[i] - 1) + offsets[i]. base + shift lies in [0, 2): subtracting 1 is exact."""
+    for i in range(shifts.shape[0]):
+        n = lengths[i]
+        for j in range(base.shape[0]):
+            x = base[j] + shifts[i]
+            if x >= 1.0:
+                x -= 1.0
+            out[i, j] = min(np.int64(x * n), n - 1) + offsets[i]
+
+
+@_jit()
+def gather_sample(x, base, shift, out):  # pragma: no cover (compiled)
+    """The stats-mode sample of one flat array of more than len(base) elements: out[j] =
+    x[min(floor(((base[j] + shift) mod 1) * n), n - 1)], the positions ``sample_positions``
+    gives (no fastmath: the positions must be those, bit for bit)."""
+    n = x.shape[0]
+    for j in range(base.shape[0]):
+        v = base[j] + shift
+        if v >= 1.0:
+            v -= 1.0
+        out[j] = x[min(np.int64(v * n), n - 1)]
+
+
+@_jit()
+def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compiled)
+    """One capture at once: ``segment_stats`` of all of ``x`` (flat, non-empty) into
+    ``rows[k]`` and its stats-mode sample into ``samples[k]``: all of ``x`` when it has at
+    most len(base) elements, else the elements at ``sample_positions`` for this ``shift``."""
+    n = x.shape[0]
+    lengths = np.empty(1, np.int64)
+    lengths[0] = n
+    segment_stats(x, lengths, rows[k:k + 1])
+    m = base.shape[0]
+    if n <= m:
+        for j in range(n):
+            samples[k, j] = x[j]
+        return
+    gather_sample(x, base, shift, samples[k])
+
+
+_MAGNITUDE_BITS = np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+@_jit(fastmath=_FLAGS)
+def dense_stats(x):  # pragma: no cover (compiled)
+    """(sum, sum of squares, min, max) of a float32/float64 array in float64, one pass.
+
+    Meant for arrays the caller then checks: a NaN or Inf anywhere makes the sum or the sum of
+    squares non-finite. min/max are taken over order-preserving int64 keys of the float64 bit
+    patterns (negative values with their magnitude bits flipped), which vectorize where a
+    floating-point min/max reduction does not."""
+    n = x.shape[0]
+    buf = np.empty(_BLOCK, np.float64)
+    bits = buf.view(np.int64)
+    s = 0.0
+    sq = 0.0
+    lo = np.int64(0x7FFFFFFFFFFFFFFF)
+    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    for start in range(0, n, _BLOCK):
+        xb = x[start:start + _BLOCK]
+        m = xb.shape[0]
+        for j in range(m):
+            v = np.float64(xb[j])
+            s += v
+            sq += v * v
+            buf[j] = v
+        for j in range(m):
+            k = bits[j]
+            k = k ^ ((k >> 63) & _MAGNITUDE_BITS)
+            lo = k if k < lo else lo
+            hi = k if k > hi else hi
+    ends = np.array([lo, hi], np.int64)
+    for i in range(2):
+        ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAGNITUDE_BITS)
+    f = ends.view(np.float64)
+    return s, sq, f[0], f[1]
+
+
+@_jit(fastmath=_FLAGS)
+def col_sumsq(x, k, out):  # pragma: no cover (compiled)
+    """out[j] = sum over rows r of x[r * k + j]^2 in float64: the column sums of squares of a
+    flat row-major (rows, k) float32/float64 array, in one pass and no temporary."""
+    rows = x.shape[0] // k
+    for j in range(k):
+        out[j] = 0.0
+    for r in range(rows):
+        row = x[r * k:(r + 1) * k]
+        for j in range(k):
+            v = np.float64(row[j])
+            out[j] += v * v
+
