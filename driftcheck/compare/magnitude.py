@@ -15,14 +15,14 @@ LINEAR_STATE = ("exp_avg", "momentum_buffer")  # optimizer moments linear in the
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq", "sum")  # ... in its square
 
 
-# Activations whose derivative's terms stay within ~1 of |g| (no kink: the hard variants are
-# piecewise, compare/kinks.py); matched in the module's type name, lower-cased.
+# Activations whose derivative's terms stay within ~1 of |g| (no kink: the hard variants and
+# the ReLU family are piecewise, compare/kinks.py); matched in the module's type name, lower-cased.
 _SMOOTH = ("gelu", "silu", "swish", "mish", "tanh", "sigmoid", "elu", "softplus")
 
 
 def smooth_activation(module_type: str | None) -> bool:
     name = (module_type or "").lower()
-    return "hard" not in name and any(k in name for k in _SMOOTH)
+    return "hard" not in name and "relu" not in name and any(k in name for k in _SMOOTH)
 
 
 class Magnitudes:

@@ -375,3 +375,13 @@ def test_mean_over_a_cancelling_map_pass(tmp_path, seed):
 def test_fault_before_the_mean_still_caught(tmp_path):
     rep = _pair(tmp_path, _gc, dtype="fp32", local=False, hooks=scale_output("conv", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "conv", rep.decided_by
+
+
+def test_smooth_activations_are_told_from_piecewise_ones():
+    from driftcheck.compare.magnitude import smooth_activation
+
+    for name in ("GELU", "GELUActivation", "QuickGELUActivation", "SiLU", "Mish", "Tanh", "Sigmoid",
+                 "ELU", "SELU", "Softplus"):
+        assert smooth_activation(name), name
+    for name in ("ReLU", "LeakyReLU", "ReLU6", "PReLU", "Hardswish", "Hardsigmoid", "Linear", None):
+        assert not smooth_activation(name), name
