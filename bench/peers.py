@@ -203,6 +203,31 @@ def main() -> None:
                 print(f"{size:5s} {tool:10s} {mode:15s} " + " / ".join(
                     f"{x['ratio']:.2f}x ({x['ratio_finish']:.2f}x with finish)" for x in ratios),
                     flush=True)
+    full = [r for rs in rows for r in rs if r["tool"] == "driftcheck" and r["mode"] == "full"]
+    if full:
+        # Full mode against the disk: the bytes a traced step writes over what tracing adds to
+        # the step (finishing the trace included), beside the disk's own sequential write
+        # bandwidth of as many fresh bytes, fsync included, in the same directory, now.
+        import torch
+
+        sys.path.insert(0, str(HERE))
+        from _common import disk_write_bandwidth
+
+        work = Path(tempfile.mkdtemp(prefix="dc-peers-disk-", dir=os.environ.get("PEERS_DIR")))
+        try:
+            mb = max(int(max(r["mb_per_step"] for r in full)), 64)
+            g = torch.Generator().manual_seed(0)
+            bufs = [torch.randn(4 << 20, generator=g) for _ in range(max(mb // 16, 1))]
+            disk = max(disk_write_bandwidth(work, bufs) for _ in range(2)) / 1e6
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"\ndisk: {disk:.0f} MB/s sequential write with fsync ({len(bufs) * 16} MiB of fresh data, "
+              "best of 2, same directory)")
+        for r in full:
+            extra = r["traced_s"] + r["finish_s"] / a.steps - r["untraced_s"]
+            rate = r["mb_per_step"] / extra if extra > 0 else float("inf")
+            print(f"llama-{r['size']} full: {r['mb_per_step']:.0f} MB a step in {extra:.2f} s added "
+                  f"(with finishing): {rate:.0f} MB/s, {100 * rate / disk:.0f}% of the disk's")
     print("\n| model | tool | mode | untraced step | traced step | ratio | ratio with finish "
           "| tensors per step | MB per step |")
     print("|---|---|---|---|---|---|---|---|---|")
