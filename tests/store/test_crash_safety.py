@@ -28,9 +28,13 @@ def scen(tmp_path_factory) -> Path:
 def _start_slow_record(scen: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     # cwd outside the repo: the installed package (with driftcheck.models) is what runs.
+    # SIGINT back to its default in the child: a suite started as a background job of a script
+    # inherits it ignored, and Python then never turns it into KeyboardInterrupt (the record
+    # ran to its end, rc 0: not what the test is about).
     return subprocess.Popen([sys.executable, "-m", "driftcheck", "record", f"{scen}:slow", "--out",
                              str(out)], cwd=out.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_recording(proc: subprocess.Popen, out: Path, timeout: float = 60.0) -> None:
