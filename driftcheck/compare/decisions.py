@@ -131,8 +131,7 @@ class Decisions:
         s = call[0]
         err = 0.0
         for d in self.ref_index.fwd_in.get(call, []) + self.ref_index.params.get((s, call[1]), []) \
-                + [o for m, k in self.ref_index.children.get(call, [])
-                   for o in self.ref_index.fwd_out.get((s, m, k), [])]:
+                + self.ref_index.child_outputs(call):
             e = self.errors.get(d.align)
             if e is not None and d.align != r.align and dtypes.is_float(d.dtype) and math.isfinite(e.rel_max):
                 err = max(err, e.rel_max)

@@ -78,6 +78,13 @@ class DependencyIndex:
         p_mod, _, p_call = parent.rpartition("#")
         return (e.step, p_mod, int(p_call))
 
+    def consumer_outputs(self, e: TraceEntry) -> list:
+        """The forward outputs (and so the metas) of the calls whose code may have consumed
+        output ``e``: its parent's, and its own (a module that computes its loss from the output
+        it also returns)."""
+        calls = [c for c in (self.parent_of(e), (e.step, e.module, e.call)) if c is not None]
+        return [o for c in calls for o in self.fwd_out.get(c, ())]
+
     def child_outputs(self, call: tuple) -> list:
         s = call[0]
         return [o for m, c in self.children.get(call, []) for o in self.fwd_out.get((s, m, c), [])]

@@ -56,8 +56,7 @@ class Kinks:
     def _decided_on_host(self, r: TraceEntry) -> bool:
         """Whether the code that consumed output ``r`` (its parent's, or its own: a model
         computing its loss) took float values to the host (record/watch.py: _TO_HOST)."""
-        calls = [c for c in (self.ref_index.parent_of(r), (r.step, r.module, r.call)) if c is not None]
-        outs = [e for c in calls for e in self.ref_index.fwd_out.get(c, ())]
+        outs = self.ref_index.consumer_outputs(r)
         if not r.module:  # the model's outputs: the loss code's too (the loss entry's meta)
             outs += list(self.ref_index.loss.get(r.step, ()))
         return any(e.meta.get("host_decisions") for e in outs)

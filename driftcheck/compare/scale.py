@@ -272,9 +272,8 @@ class Scales:
         30x its logits' relative error)."""
         # the loss is computed by the code around the module (its parent's), or by the module's
         # own code from the output it also returns (a Hugging Face model computing its loss)
-        calls = [c for c in (self.ref_index.parent_of(r), (r.step, r.module, r.call)) if c is not None]
-        frames = max((int(e.meta.get("ctc_frames") or 0) for c in calls
-                      for e in self.ref_index.fwd_out.get(c, ())), default=0)
+        frames = max((int(e.meta.get("ctc_frames") or 0) for e in self.ref_index.consumer_outputs(r)),
+                     default=0)
         if not frames:
             return 0.0, 0.0
         out = self.errors.get((r.step, "forward", r.module, r.call, r.slot.removeprefix("grad_")))

@@ -57,7 +57,7 @@ class Capturing:
         sample there is still what it holds: a write through ``.data`` bumps no version counter,
         and any write that touches many elements (a clamp, a re-initialisation) shows there."""
         known = self._carried.get(id(t))
-        if known is None or len(known) < 5 or known[0]() is not t or known[1] is None \
+        if known is None or known[0]() is not t or known[1] is None \
                 or known[1] != self._identity(t):
             return None
         row, skey, sample = known[2:]

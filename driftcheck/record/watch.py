@@ -164,15 +164,18 @@ class LogitWatch(TorchFunctionMode):
     """While active, ``on_logits(absmax)`` gets the weighted |logit| max of every softmax,
     cross-entropy and scaled_dot_product_attention call (a device scalar: no sync),
     ``on_ctc(frames)`` the time length of every CTC loss, and ``on_decision(profile)`` the
-    margin profile of every argmax/argmin/top-k/sort and max/min over a dim, and
-    ``on_rounding(profile)`` that of every round/floor/ceil/trunc."""
+    margin profile of every argmax/argmin/top-k/sort and max/min over a dim,
+    ``on_rounding(profile)`` that of every round/floor/ceil/trunc, and ``on_host()`` each float
+    tensor taken to numpy."""
 
     def __init__(self, on_logits: Callable[[torch.Tensor], None],
                  on_ctc: Callable[[int], None] | None = None,
                  on_decision: Callable[[torch.Tensor], None] | None = None,
-                 on_rounding: Callable[[torch.Tensor], None] | None = None) -> None:
+                 on_rounding: Callable[[torch.Tensor], None] | None = None,
+                 on_host: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.on_rounding = on_rounding
+        self.on_host = on_host
         self.on_logits = on_logits
         self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
         self.on_decision = on_decision
@@ -207,10 +210,10 @@ class LogitWatch(TorchFunctionMode):
                 prof = decision_profile(name, args, kwargs)
                 if prof is not None:
                     self.on_decision(prof)
-            elif name in _TO_HOST and self.on_rounding is not None:
+            elif name in _TO_HOST and self.on_host is not None:
                 x = args[0] if args else None
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1:
-                    self.on_rounding(None)  # values decided on outside torch
+                    self.on_host()  # values decided on outside torch
             elif name in _ROUNDINGS and self.on_rounding is not None:
                 prof = rounding_profile(name, args, kwargs)
                 if prof is not None:
@@ -245,7 +248,8 @@ class Watching:
         Dynamo would trace the mode into the graph."""
         if self.compiled and code in ("forward", "loop"):
             return contextlib.nullcontext()
-        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision, self._on_rounding)
+        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision, self._on_rounding,
+                          self._on_host)
 
     def _on_ctc(self, frames: int) -> None:
         if self._replaying or not self._stack or not self._active:
@@ -260,18 +264,19 @@ class Watching:
         prev = self._decisions.get(key)
         self._decisions[key] = profile if prev is None else prev + profile
 
-    def _on_rounding(self, profile: torch.Tensor | None) -> None:
-        """A rounding's margin profile, or None: float values taken to the host."""
+    def _on_rounding(self, profile: torch.Tensor) -> None:
+        if self._replaying or not self._active or not self._stack:
+            return  # the loss code's rounding: nothing of the model's it feeds
+        key = self._stack[-1]
+        prev = self._roundings.get(key)
+        self._roundings[key] = profile if prev is None else prev + profile
+
+    def _on_host(self) -> None:
+        """The current code took float values to the host (the loss code's: LOSS_CODE)."""
         if self._replaying or not self._active:
             return
         key = self._stack[-1] if self._stack else LOSS_CODE
-        if profile is None:
-            self._host_decisions[key] = self._host_decisions.get(key, 0) + 1
-            return
-        if not self._stack:
-            return  # the loss code's rounding: nothing of the model's it feeds
-        prev = self._roundings.get(key)
-        self._roundings[key] = profile if prev is None else prev + profile
+        self._host_decisions[key] = self._host_decisions.get(key, 0) + 1
 
     def _on_logits(self, absmax: torch.Tensor) -> None:
         if self._replaying or not self._active:
