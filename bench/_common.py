@@ -76,17 +76,37 @@ def best_time(fn: Callable[[], Any], repeats: int) -> float:
     return min(times)
 
 
-def disk_write_bandwidth(directory: Path, buffers: list[torch.Tensor]) -> float:
+def disk_write_bandwidth(directory: Path, buffers: list[torch.Tensor], direct: bool = False) -> float:
     """Sequential write bandwidth (bytes/s) of ``buffers`` (the same bytes a trace holds) into a
-    new file in ``directory``, fsync included: what ``dd bs=16M conv=fsync`` measures. The same
-    data and fresh files, as the trace writer gets: virtual disks treat zeros, repeated blocks
-    and overwrites very differently from new data."""
-    fd, path = tempfile.mkstemp(dir=directory, prefix="disk-bw-")
+    new file in ``directory``, fsync included: what ``dd bs=16M conv=fsync`` measures (``direct``:
+    ``dd bs=16M oflag=direct conv=fsync``, from page-aligned copies of the buffers made before
+    the clock starts; 0 where the file system refuses direct I/O). The same data and fresh
+    files, as the trace writer gets: virtual disks treat zeros, repeated blocks and overwrites
+    very differently from new data."""
+    if direct:
+        import mmap
+
+        aligned = []
+        for b in buffers:
+            raw = b.reshape(-1).view(torch.uint8).numpy()
+            m = mmap.mmap(-1, -(-raw.nbytes // 4096) * 4096)
+            m[:raw.nbytes] = raw.tobytes()
+            aligned.append(m)
+        fd, path = tempfile.mkstemp(dir=directory, prefix="disk-bw-")
+        os.close(fd)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError:
+            os.unlink(path)
+            return 0.0
+        buffers = aligned  # type: ignore[assignment]
+    else:
+        fd, path = tempfile.mkstemp(dir=directory, prefix="disk-bw-")
     nbytes = 0
     try:
         t0 = time.perf_counter()
         for b in buffers:
-            mv = memoryview(b.reshape(-1).view(torch.uint8).numpy())
+            mv = memoryview(b) if direct else memoryview(b.reshape(-1).view(torch.uint8).numpy())
             nbytes += mv.nbytes
             while mv.nbytes:
                 mv = mv[os.write(fd, mv):]

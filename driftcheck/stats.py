@@ -254,11 +254,11 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
     """One large host tensor in one compiled pass over its own dtype (float64 accumulation, no
     float64 copy). Any NaN/Inf shows in the sum or sum of squares, and then the masking float64
     path decides."""
-    row = _large_row(t)
+    row = large_row(t)
     return stats_vector(t) if row is None else torch.from_numpy(row)
 
 
-def _large_row(t: torch.Tensor) -> np.ndarray | None:
+def large_row(t: torch.Tensor) -> np.ndarray | None:
     """``_large_stats`` as a float64 numpy row, or None where the values are not all finite (or
     float64 overflows): the caller takes the exact masking path."""
     kernels = _kernels()
@@ -282,7 +282,7 @@ def summarize_one(t: torch.Tensor, key: str, seed: int) -> tuple[torch.Tensor | 
     """(stats row, sample) of one capture as ``summarize`` gives them; for a large float
     host tensor the row is a numpy array (no tensor built per capture: stats mode's cost)."""
     if t.numel() >= BIG and t.dtype in _HOST_DTYPES and t.device.type == "cpu":
-        row = _large_row(t)
+        row = large_row(t)
         if row is not None:
             return row, _large_sample(t, key, seed)
     rows, samples = summarize([t], [key], seed)

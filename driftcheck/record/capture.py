@@ -106,7 +106,7 @@ class Capturing:
             if phase == "optimizer":
                 entry.setdefault("meta", {})["sampled_as"] = "params"
         if summary is not None:  # (stats row, sample) taken earlier: only the sample is held
-            data = summary[1]
+            data = summary[1] if summary[1] is not None else data  # (row, None): ``t`` is a copy
         elif self.audit is None:
             summary, data = self._take(data, t, module, phase, sk, copy)
         else:
@@ -140,8 +140,22 @@ class Capturing:
             else:  # the same tensor, unchanged, seen earlier this step: only the sample
                 sample = tstats.sample_of(data, skey, self.seed)
             return (row, sample), sample
-        # copy at hook time: later in-place ops must not leak in
-        return None, (data.clone() if copy else data)
+        # copy at hook time: later in-place ops must not leak in. A copy the trace stores whole
+        # goes into memory the writer recycles (store/buffers.py); one only summarised at the
+        # end of the step is never handed to the writer: a plain clone.
+        if not copy:
+            return None, data
+        if not keep:
+            return None, data.clone()
+        kept = self.writer.buffers.copy(data)
+        if kept.numel() >= tstats.BIG and kept.device.type == "cpu" \
+                and kept.dtype in (torch.float32, torch.float64):
+            # Its statistics now, from the copy just written (in cache), not from the cold copy
+            # at the end of the step; a tensor with NaN/Inf is left to the exact path there.
+            row = tstats.large_row(kept)
+            if row is not None:
+                return (row, None), kept
+        return None, kept
 
     def flush(self) -> None:
         """Move pending captures to the host in one batched transfer and hand them to the writer."""

@@ -225,9 +225,8 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self._grads: dict[int, Any] = {}  # id(param) -> a copy, or (tensor, (stats row, sample))
         self._updated = False
         self._bn_before: dict[tuple[str, int], Any] = {}
-        # (module, call) -> what its code did, as the watch saw it (record/watch.py): the largest
-        # |logit| with weight, a CTC loss's frames, margin counts of its decisions and of what it
-        # rounded, how many float tensors it took to the host
+        # (module, call) -> what its code did, as the watch saw it (record/watch.py): |logit| max,
+        # CTC frames, margin counts of its decisions and roundings, float tensors taken to the host
         self._logits, self._ctc, self._decisions, self._roundings, self._host_decisions = {}, {}, {}, {}, {}
         self._tap_ctx: dict[tuple[str, int], dict[str, Any]] = {}  # a tapped call's backward meta
         self._bn_deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
@@ -323,10 +322,11 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
             # A large gradient is taken now as any capture is (stats mode: its summary, rather
             # than a copy for the end of the step; a later in-place op, clipping or zero_grad,
             # cannot reach either). With gradient accumulation the last backward's is kept.
+            # Kept: (the live gradient, or the copy full mode keeps; its summary), or the copy.
             sk = fmt.sample_key(self.step_index, "grads", mod, 0, f"param.{leaf}")
             with self._quiet():  # the tracer's own ops stay out of the view audit
                 summary, data = self._take(g, g, mod, "grads", sk, True)
-            self._grads[id(p)] = (g, summary) if summary is not None else data
+            self._grads[id(p)] = data if summary is None else (g if summary[1] is not None else data, summary)
         else:
             self._grads[id(p)] = g.clone()
 

@@ -43,15 +43,19 @@ def write_error(trace_dir: Path, e: OSError) -> DriftcheckError:
 
 def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Tensor]], *,
                       metadata: dict[str, str] | None = None, fsync: bool = True,
-                      checksums: dict[str, int] | None = None) -> int:
+                      checksums: dict[str, int] | None = None,
+                      stage: "DirectStage | None" = None) -> int:
     """Write contiguous CPU tensors as one safetensors file, straight from their memory.
 
     A standard safetensors file (header padded to 8 bytes, tensors ordered by element size then
     name, so each is aligned) written without ``safetensors.torch.save_file``'s intermediate
     ``bytes`` copy of every tensor. Returns the file size. ``checksums``: filled with the CRC32C
-    of each tensor's bytes, as written.
+    of each tensor's bytes, as written. ``stage``: write with direct I/O through it where the
+    file system allows (``DirectStage``; the header is then padded to 4 KiB), else buffered.
     """
     order = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
+    if checksums is not None:
+        checksums.update((name, crc32c.crc32c(b"")) for name, t in order if not t.numel())
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -63,12 +67,19 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
         header[name] = {"dtype": code_of(t.dtype, name), "shape": list(t.shape),
                         "data_offsets": [offset, offset + n]}
         offset += n
-        if checksums is not None:
-            checksums[name] = crc32c.crc32c(view)
         if n:
-            views.append(view)
+            views.append((name, view))
     raw = strict_json(header)
+    if stage is not None and stage.usable:
+        raw += b" " * (-(8 + len(raw)) % DirectStage.ALIGN)  # the data starts on a block boundary
+        if stage.write(path, struct.pack("<Q", len(raw)) + raw, views, checksums, fsync):
+            return 8 + len(raw) + offset
+    raw = raw.rstrip(b" ")
     raw += b" " * (-len(raw) % 8)
+    if checksums is not None:
+        for name, view in views:
+            checksums[name] = crc32c.crc32c(view)
+    views = [v for _, v in views]
     # Buffered: stats-mode shards hold thousands of 1-2 KiB samples (one syscall each would
     # dominate); a tensor larger than the buffer still goes straight from its memory.
     with open(path, "wb", buffering=1 << 20) as f:
@@ -78,6 +89,110 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
             f.flush()
             os.fsync(f.fileno())
     return 8 + len(raw) + offset
+
+
+class DirectStage:
+    """Writes safetensors files with direct I/O (``O_DIRECT``): the bytes go from two reused,
+    aligned staging blocks to the device, not through the page cache.
+
+    A buffered write copies every byte into the page cache inside the kernel, page by page, on
+    whatever core is free; with the training step's threads on every core that copy, not the
+    disk, bounded full mode's throughput (the 16M-parameter Llama: ~430 MB/s, where the disk
+    takes 1.3-2 GB/s). Here the tensors are copied into a block in file order (checksummed
+    there, while the bytes are in cache); a full block is written by DMA on a helper thread
+    while the other block fills. Where the file system refuses direct I/O (tmpfs, some network
+    file systems: EINVAL), ``usable`` turns False and the caller writes buffered, as before.
+    """
+
+    ALIGN = 4096  # offsets, lengths and addresses of direct writes: the largest usual block size
+    BLOCK = 16 << 20
+
+    def __init__(self) -> None:
+        self.usable = hasattr(os, "O_DIRECT")
+        self._blocks: list[mmap.mmap] = []  # two, page-aligned
+        self._io: Any = None  # the helper thread writing full blocks (an executor of one)
+
+    def write(self, path: str | os.PathLike, head: bytes, views: list[tuple[str, memoryview]],
+              checksums: dict[str, int] | None, fsync: bool) -> bool:
+        """Write ``head`` (its length a multiple of ALIGN) then ``views`` in order; False where
+        this file system does not take direct I/O (nothing is left written then)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.usable = False
+            return False
+        if not self._blocks:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._blocks = [mmap.mmap(-1, self.BLOCK), mmap.mmap(-1, self.BLOCK)]
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="driftcheck-direct-io")
+        blocks = [memoryview(b) for b in self._blocks]
+        busy: list[Any] = [None, None]  # the write in flight from each block
+        cur, fill, at_file = 0, len(head), 0
+        try:
+            blocks[0][:fill] = head
+            size = fill
+            for name, view in views:
+                crc, at, n = 0, 0, view.nbytes
+                while at < n:
+                    k = min(n - at, self.BLOCK - fill)
+                    dst = blocks[cur][fill:fill + k]
+                    dst[:] = view[at:at + k]
+                    if checksums is not None:
+                        crc = crc32c.crc32c(dst, crc)
+                    fill += k
+                    at += k
+                    if fill == self.BLOCK:  # hand it to the helper, fill the other one
+                        busy[cur] = self._io.submit(_pwrite_all, fd, blocks[cur], at_file)
+                        at_file += fill
+                        cur, fill = 1 - cur, 0
+                        if busy[cur] is not None:
+                            busy[cur].result()
+                            busy[cur] = None
+                if checksums is not None:
+                    checksums[name] = crc
+                size += n
+            if fill:
+                pad = -fill % self.ALIGN
+                blocks[cur][fill:fill + pad] = bytes(pad)
+                _pwrite_all(fd, blocks[cur][:fill + pad], at_file)
+            for f in busy:
+                if f is not None:
+                    f.result()
+            if fill:
+                os.ftruncate(fd, size)  # the padding is not part of the file
+            if fsync:
+                os.fsync(fd)
+        except OSError as e:
+            for f in busy:
+                if f is not None:
+                    f.exception()  # wait: no write may land after the file is gone
+            os.close(fd)
+            if e.errno != errno.EINVAL:
+                raise
+            self.usable = False  # the device wants another alignment: buffered from now on
+            Path(path).unlink(missing_ok=True)
+            return False
+        os.close(fd)
+        return True
+
+    def close(self) -> None:
+        """Stop the helper thread and free the blocks (a later write makes them again)."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        self._blocks = []  # unmapped when the last view of them goes (an error's traceback)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (direct I/O: a short write leaves an aligned
+    remainder, or fails)."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
 
 
 _ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY

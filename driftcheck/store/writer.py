@@ -19,8 +19,9 @@ import torch
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.store import format as fmt
+from driftcheck.store.buffers import HostBuffers
 from driftcheck.store.replay import write_replay
-from driftcheck.store.shard import code_of, strict_json, write_error, write_safetensors
+from driftcheck.store.shard import DirectStage, code_of, strict_json, write_error, write_safetensors
 
 
 def _umask() -> int:
@@ -86,14 +87,18 @@ class TraceWriter:
         background: write on a background thread (False: on the caller's thread, same files).
         fsync: fsync every shard before the manifest is written (a manifest never outlives
             a shard after a power loss).
+        direct: write shards with direct I/O where the file system takes it
+            (``shard.DirectStage``: no copy into the page cache), buffered elsewhere.
 
     ``add`` keeps a reference to the tensor until it is written: callers pass copies they will
-    not modify (the tracer does, it copies at hook time).
+    not modify (the tracer does, it copies at hook time, into ``buffers``), nor read after
+    ``add``: a tensor that is all of its storage, held by nothing else once written, is recycled
+    for the next copy of that size (store/buffers.py).
     """
 
     def __init__(self, out: str | os.PathLike, *, force: bool = False,
                  shard_bytes: int = 64 << 20, queue_bytes: int = 512 << 20,
-                 background: bool = True, fsync: bool = True) -> None:
+                 background: bool = True, fsync: bool = True, direct: bool = True) -> None:
         self.dir = prepare_out_dir(out, force)
         (self.dir / fmt.INCOMPLETE).write_text("record in progress or interrupted\n")
         self.shard_bytes = shard_bytes
@@ -116,6 +121,9 @@ class TraceWriter:
             collections.deque()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # copies waiting to be written, recycled once they are (at most queue_bytes kept free)
+        self.buffers = HostBuffers(self.queue_bytes)
+        self._stage = DirectStage() if direct else None  # the writer thread's staging block
 
     # -- tensors -------------------------------------------------------------------------
     def add(self, entry: dict[str, Any], tensor: torch.Tensor | None,
@@ -206,7 +214,7 @@ class TraceWriter:
                 # fsync at close, once for all shards: a sync per shard would stall the pipeline
                 # on the device while the next shard waits (dd's conv=fsync does the same).
                 sums: dict[str, int] = {}
-                write_safetensors(tmp, tensors, fsync=False, checksums=sums)
+                write_safetensors(tmp, tensors, fsync=False, checksums=sums, stage=self._stage)
                 for tensor_name, value in sums.items():
                     refs[tensor_name]["crc32c"] = value
                 os.replace(tmp, path)
@@ -217,6 +225,9 @@ class TraceWriter:
             with self._cond:
                 self._error = e
         finally:
+            if self._error is None:
+                for _, t in tensors:
+                    self.buffers.give(t)
             tensors.clear()
             with self._cond:
                 self._held -= nbytes
@@ -276,6 +287,9 @@ class TraceWriter:
         """Write every shard, then the manifest last, atomically. Returns the manifest path."""
         self.drain()
         self._stop_thread()
+        self.buffers.clear()
+        if self._stage is not None:
+            self._stage.close()
         if self.fsync:
             self._sync_shards()
         manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "run": run,
@@ -304,6 +318,9 @@ class TraceWriter:
                 self._error = RuntimeError(f"trace aborted: {reason}")
             self._cond.notify_all()
         self._stop_thread()
+        self.buffers.clear()
+        if self._stage is not None:
+            self._stage.close()
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)
         (self.dir / fmt.MANIFEST).unlink(missing_ok=True)

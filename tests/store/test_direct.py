@@ -1,0 +1,188 @@
+"""Full mode's write path: shards written with direct I/O through staging blocks (and buffered
+where the file system refuses it), captured copies in recycled host buffers, and the statistics
+of a kept copy taken in its hook."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+
+import crc32c
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import driftcheck
+from driftcheck import stats as tstats
+from driftcheck.store import TraceReader, TraceWriter
+from driftcheck.store import shard as store_shard
+from driftcheck.record.tracer import Tracer
+from driftcheck.store.buffers import MIN_BYTES, HostBuffers
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.uint8,
+          torch.float8_e4m3fn]
+
+
+def _entry(i: int, t: torch.Tensor) -> dict:
+    return {"key": f"0/forward/m{i}/0/output", "module": f"m{i}", "phase": "forward", "step": 0,
+            "call": 0, "slot": "output", "order": i, "shape": list(t.shape),
+            "dtype": str(t.dtype).replace("torch.", ""), "stats": {}}
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # sizes around the (shrunk) staging block: inside one, across two, larger than both
+    sizes = [1, 7, 1000, 2047, 2048, 2049, 5000, 9000, 0]
+    return [(torch.randn(n, generator=g) * 50).to(DTYPES[i % len(DTYPES)]) for i, n in enumerate(sizes)]
+
+
+def _data_start(path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def _write(tmp_path, ts, **kw) -> TraceReader:
+    with TraceWriter(tmp_path / "t", shard_bytes=12000, **kw) as w:
+        for i, t in enumerate(ts):
+            w.add(_entry(i, t), t)
+        w.close({"steps": 1})
+    return TraceReader(tmp_path / "t")
+
+
+def _check(r: TraceReader, ts: list[torch.Tensor]) -> None:
+    for shard, size in r.manifest["shards"].items():
+        assert (r.dir / shard).stat().st_size == size
+        load_file(r.dir / shard)  # a standard safetensors file
+    for e, t in zip(r.entries, ts):
+        got = r.tensor(e)
+        a, b = (got.view(torch.uint8), t.view(torch.uint8)) if t.dtype.itemsize == 1 else (got, t)
+        assert got.dtype == t.dtype and torch.equal(a, b), e["key"]
+        assert e["tensor"]["crc32c"] == crc32c.crc32c(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def test_direct_shards_round_trip_across_staging_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_shard.DirectStage, "BLOCK", 8192)  # tensors span blocks
+    ts = _tensors()
+    used = []
+    real = store_shard.DirectStage.write
+    monkeypatch.setattr(store_shard.DirectStage, "write",
+                        lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1])
+    r = _write(tmp_path, ts)
+    _check(r, ts)
+    if not all(used):  # this file system refuses O_DIRECT: every shard went buffered
+        assert used[0] is False and len(used) == 1
+        pytest.fail(f"{tmp_path} does not take direct I/O here; the fallback is tested below")
+    assert len(used) == len(r.manifest["shards"]) > 1
+    for shard in r.manifest["shards"]:
+        assert _data_start(r.dir / shard) % store_shard.DirectStage.ALIGN == 0
+
+
+def test_a_file_system_without_direct_io_gets_buffered_shards(tmp_path, monkeypatch):
+    """tmpfs answers O_DIRECT with EINVAL at open: the writer falls back for good, same files."""
+    real_open = os.open
+    calls = []
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            calls.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(store_shard.os, "open", no_direct)
+    ts = _tensors()
+    r = _write(tmp_path, ts)
+    _check(r, ts)
+    assert len(calls) == 1  # asked once, then buffered for every shard
+    assert all(_data_start(r.dir / s) % 8 == 0 for s in r.manifest["shards"])
+
+
+def test_a_device_refusing_the_alignment_falls_back_without_a_stray_file(tmp_path, monkeypatch):
+    real = os.pwrite
+    monkeypatch.setattr(store_shard.os, "pwrite",
+                        lambda fd, data, off: (_ for _ in ()).throw(OSError(errno.EINVAL, "bad align")))
+    ts = _tensors()
+    r = _write(tmp_path, ts)
+    monkeypatch.setattr(store_shard.os, "pwrite", real)
+    _check(r, ts)
+    assert sorted(p.name for p in r.dir.iterdir()) == sorted(
+        list(r.manifest["shards"]) + ["manifest.json"])
+
+
+def test_a_write_error_in_the_direct_path_aborts_the_trace(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_shard.os, "pwrite",
+                        lambda fd, data, off: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+    with pytest.raises(driftcheck.errors.DriftcheckError, match="No space left"):
+        _write(tmp_path, _tensors())
+    assert not (tmp_path / "t" / "manifest.json").exists()
+
+
+def test_host_buffers_recycle_only_what_nobody_else_holds():
+    pool = HostBuffers(limit=1 << 30)
+    x = torch.randn(MIN_BYTES // 4 * 2)
+    a = pool.copy(x)
+    assert torch.equal(a, x) and a.data_ptr() != x.data_ptr()
+    ptr = a.data_ptr()
+    pool.give(a)
+    del a
+    b = pool.copy(x + 1)  # the same byte size: the same memory
+    assert b.data_ptr() == ptr and pool.reused == 1 and torch.equal(b, x + 1)
+    kept = b[3:]  # somebody holds a view: never written over
+    pool.give(b)
+    c = pool.copy(x + 2)
+    assert c.data_ptr() != ptr and torch.equal(kept, (x + 1)[3:])
+    small = torch.randn(10)
+    s = pool.copy(small)
+    pool.give(s)
+    assert pool._free_bytes == 0  # below MIN_BYTES: the allocator's business
+    nc = torch.randn(3, MIN_BYTES).t()  # not contiguous: the copy is
+    d = pool.copy(nc)
+    assert d.is_contiguous() and torch.equal(d, nc)
+
+
+def test_host_buffers_hold_at_most_their_limit():
+    pool = HostBuffers(limit=3 * MIN_BYTES)
+    copies = [pool.copy(torch.randn(MIN_BYTES // 4)) for _ in range(5)]
+    for t in copies:
+        pool.give(t)
+    assert pool._free_bytes == 3 * MIN_BYTES
+    pool.clear()
+    assert pool._free_bytes == 0
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(256, 512)  # outputs and weights of >= stats.BIG elements
+        self.b = nn.Linear(512, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_full_mode_recycles_its_copies_and_takes_kept_statistics_in_the_hook(tmp_path):
+    torch.manual_seed(0)
+    model = _Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 256)
+    with TraceWriter(tmp_path / "t", shard_bytes=1 << 20) as w:  # shards written as steps run
+        tracer = Tracer(model, w, optimizer=opt).attach()
+        for _ in range(3):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            tracer.step(loss)
+        tracer.detach()
+        w.drain()
+        reused = w.buffers.reused
+        w.close({"steps": 3})
+    assert reused > 0  # later steps copied into memory the writer gave back
+    r = TraceReader(tmp_path / "t")
+    big = [e for e in r.entries if e["shape"] and torch.Size(e["shape"]).numel() >= tstats.BIG]
+    assert {e["phase"] for e in big} >= {"forward", "backward", "grads", "optimizer", "params"}
+    for e in big:
+        want = tstats.to_dict(tstats.stats_vector(r.tensor(e)).tolist())
+        for k in ("min", "max", "mean", "std", "absmax", "l2"):
+            assert e["stats"][k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), (e["key"], k)
+    json.dumps(r.manifest)
