@@ -258,12 +258,17 @@ def _large_stats(t: torch.Tensor) -> torch.Tensor:
     return stats_vector(t) if row is None else torch.from_numpy(row)
 
 
-def large_row(t: torch.Tensor) -> np.ndarray | None:
+def large_row(t: torch.Tensor, into: torch.Tensor | None = None) -> np.ndarray | None:
     """``_large_stats`` as a float64 numpy row, or None where the values are not all finite (or
-    float64 overflows): the caller takes the exact masking path."""
+    float64 overflows): the caller takes the exact masking path. ``into`` (contiguous, the
+    dtype and size of a float32/float64 ``t``): ``t`` is copied there in the same pass."""
     kernels = _kernels()
-    x = kernels.host_array(t)
-    s, sq, mn, mx = kernels.dense_stats(x)
+    if into is not None:
+        x = kernels.flat_view(into)
+        s, sq, mn, mx = kernels.copy_stats(kernels.flat_view(t), x)
+    else:
+        x = kernels.host_array(t)
+        s, sq, mn, mx = kernels.dense_stats(x)
     if not (math.isfinite(s) and math.isfinite(sq) and math.isfinite(mn) and math.isfinite(mx)):
         return None
     l2 = math.sqrt(sq)

@@ -1,6 +1,6 @@
 """The compiled inner loops of stats mode on the host (``stats.summarize``, the capture hooks):
 ``segment_stats`` (statistics of many small captures laid end to end), ``dense_stats`` (one
-large capture), ``sample_positions`` and ``gather_sample`` (the seeded sample), ``summarize_into``
+large capture; ``copy_stats`` copies it in the same pass), ``sample_positions`` and ``gather_sample`` (the seeded sample), ``summarize_into``
 (statistics and sample of one capture, taken in its hook) and ``col_sumsq`` (a Linear's operand
 magnitude, record/meta.py). Pure numerics, no I/O; compiled by numba on first use, as
 ``kernels``, whose conventions they share (float64 sums, reassociated, never approximated).
@@ -162,6 +162,41 @@ def dense_stats(x):  # pragma: no cover (compiled)
         m = xb.shape[0]
         for j in range(m):
             v = np.float64(xb[j])
+            s += v
+            sq += v * v
+            buf[j] = v
+        for j in range(m):
+            k = bits[j]
+            k = k ^ ((k >> 63) & _MAGNITUDE_BITS)
+            lo = k if k < lo else lo
+            hi = k if k > hi else hi
+    ends = np.array([lo, hi], np.int64)
+    for i in range(2):
+        ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAGNITUDE_BITS)
+    f = ends.view(np.float64)
+    return s, sq, f[0], f[1]
+
+
+@_jit(fastmath=_FLAGS)
+def copy_stats(x, out):  # pragma: no cover (compiled)
+    """``dense_stats(x)`` while copying ``x`` into ``out`` (same dtype and length), in the same
+    pass: full mode keeps a copy of each capture and its statistics, and the source is read once,
+    while it is in cache, instead of once for the copy and once more, cold, for the statistics."""
+    n = x.shape[0]
+    buf = np.empty(_BLOCK, np.float64)
+    bits = buf.view(np.int64)
+    s = 0.0
+    sq = 0.0
+    lo = np.int64(0x7FFFFFFFFFFFFFFF)
+    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    for start in range(0, n, _BLOCK):
+        xb = x[start:start + _BLOCK]
+        ob = out[start:start + _BLOCK]
+        m = xb.shape[0]
+        for j in range(m):
+            e = xb[j]
+            ob[j] = e
+            v = np.float64(e)
             s += v
             sq += v * v
             buf[j] = v

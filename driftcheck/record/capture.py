@@ -17,6 +17,11 @@ from driftcheck import stats as tstats
 from driftcheck.store import format as fmt
 
 
+# On the host a flush is no sync point: captures go to the writer once this much waits, so
+# writing a full-mode step overlaps the step instead of starting at its end.
+HOST_FLUSH_BYTES = 64 << 20
+
+
 class _Pending:
     __slots__ = ("entry", "tensor", "dev_meta", "summary")
 
@@ -115,7 +120,8 @@ class Capturing:
         self._pending.append(_Pending(entry, data, dev_meta, summary))
         self._pending_bytes += data.numel() * data.element_size()
         self._seen_keys.add(skey)
-        if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes:
+        if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes \
+                or (self._pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"):
             self.flush()
 
     def _take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
@@ -147,15 +153,17 @@ class Capturing:
             return None, data
         if not keep:
             return None, data.clone()
-        kept = self.writer.buffers.copy(data)
-        if kept.numel() >= tstats.BIG and kept.device.type == "cpu" \
-                and kept.dtype in (torch.float32, torch.float64):
-            # Its statistics now, from the copy just written (in cache), not from the cold copy
-            # at the end of the step; a tensor with NaN/Inf is left to the exact path there.
-            row = tstats.large_row(kept)
-            if row is not None:
-                return (row, None), kept
-        return None, kept
+        kept = None
+        if data.numel() >= tstats.BIG and data.device.type == "cpu" and data.is_contiguous() \
+                and data.dtype in (torch.float32, torch.float64) and type(data) is torch.Tensor:
+            kept = self.writer.buffers.empty_like(data)
+        if kept is None:
+            return None, self.writer.buffers.copy(data)
+        # The copy and its statistics in one pass over the source, while it is in cache, not a
+        # second pass over the cold copy at the end of the step. Where the values are not all
+        # finite, the row is left to the exact path there (the copy is made all the same).
+        row = tstats.large_row(data, into=kept)
+        return (None if row is None else (row, None)), kept
 
     def flush(self) -> None:
         """Move pending captures to the host in one batched transfer and hand them to the writer."""

@@ -12,11 +12,14 @@ holds its storage (the storage's use count): a copy somebody kept is never writt
 """
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
 
 MIN_BYTES = 1 << 16  # smaller copies come from the allocator's own free lists: cheap already
+PAGE = 4096  # buffers start on a page and run on to the next page boundary: a direct write
+#              (shard.DirectStage) takes a copy straight from its memory
 
 
 class HostBuffers:
@@ -34,21 +37,30 @@ class HostBuffers:
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of ``t`` (same shape and dtype), in a recycled buffer where ``t`` is
         a dense host tensor of at least MIN_BYTES; ``t.clone()`` otherwise."""
+        out = self.empty_like(t)
+        if out is None:
+            return t.clone()
+        out.copy_(t)
+        return out
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor | None:
+        """An uninitialised contiguous tensor shaped like ``t`` in a recycled (or new, page-
+        aligned) buffer; None where ``t`` is not a dense host tensor of at least MIN_BYTES."""
         nbytes = t.numel() * t.element_size()
         if nbytes < MIN_BYTES or t.device.type != "cpu" or t.layout != torch.strided \
                 or t.is_quantized:
-            return t.clone()
+            return None
+        cap = nbytes + (-nbytes % PAGE)
         with self._lock:
-            free = self._free.get(nbytes)
+            free = self._free.get(cap)
             buf = free.pop() if free else None
             if buf is not None:
-                self._free_bytes -= nbytes
+                self._free_bytes -= cap
                 self.reused += 1
-        if buf is None:
-            return t.clone(memory_format=torch.contiguous_format)
-        out = buf.view(t.dtype).view(t.shape)
-        out.copy_(t)
-        return out
+        if buf is None:  # anonymous memory: page-aligned
+            buf = torch.frombuffer(mmap.mmap(-1, cap), dtype=torch.uint8)
+        # a tensor of its own over the buffer's storage (a view would hold the buffer as its base)
+        return torch.empty(0, dtype=t.dtype).set_(buf.untyped_storage(), 0, t.shape)
 
     def give(self, t: torch.Tensor) -> None:
         """``t`` is written and nobody will read it again: where ``t`` is all of its storage and
@@ -56,19 +68,20 @@ class HostBuffers:
         may serve the next copy of that byte size."""
         nbytes = t.numel() * t.element_size()
         if nbytes < MIN_BYTES or t.device.type != "cpu" or t.layout != torch.strided \
-                or t.is_quantized or t.storage_offset() != 0:
+                or t.is_quantized or t.storage_offset() != 0 or t.data_ptr() % PAGE:
             return
         storage = t.untyped_storage()
-        # ``t`` and the storage object just asked for: nobody else.
-        if storage.nbytes() != nbytes or torch._C._storage_Use_Count(storage._cdata) != 2:
+        cap = storage.nbytes()
+        # all of a page-rounded storage, held by ``t`` and the storage object just asked for alone
+        if cap != nbytes + (-nbytes % PAGE) or torch._C._storage_Use_Count(storage._cdata) != 2:
             return
         with self._lock:
-            if self._free_bytes + nbytes > self.limit:
+            if self._free_bytes + cap > self.limit:
                 return
-            self._free_bytes += nbytes
+            self._free_bytes += cap
         buf = torch.empty(0, dtype=torch.uint8).set_(storage)
         with self._lock:
-            self._free.setdefault(nbytes, []).append(buf)
+            self._free.setdefault(cap, []).append(buf)
 
     def clear(self) -> None:
         with self._lock:
