@@ -150,31 +150,7 @@ def dense_stats(x):  # pragma: no cover (compiled)
     squares non-finite. min/max are taken over order-preserving int64 keys of the float64 bit
     patterns (negative values with their magnitude bits flipped), which vectorize where a
     floating-point min/max reduction does not."""
-    n = x.shape[0]
-    buf = np.empty(_BLOCK, np.float64)
-    bits = buf.view(np.int64)
-    s = 0.0
-    sq = 0.0
-    lo = np.int64(0x7FFFFFFFFFFFFFFF)
-    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
-    for start in range(0, n, _BLOCK):
-        xb = x[start:start + _BLOCK]
-        m = xb.shape[0]
-        for j in range(m):
-            v = np.float64(xb[j])
-            s += v
-            sq += v * v
-            buf[j] = v
-        for j in range(m):
-            k = bits[j]
-            k = k ^ ((k >> 63) & _MAGNITUDE_BITS)
-            lo = k if k < lo else lo
-            hi = k if k > hi else hi
-    ends = np.array([lo, hi], np.int64)
-    for i in range(2):
-        ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAGNITUDE_BITS)
-    f = ends.view(np.float64)
-    return s, sq, f[0], f[1]
+    return _stats_pass(x, x, False)
 
 
 @_jit(fastmath=_FLAGS)
@@ -182,6 +158,11 @@ def copy_stats(x, out):  # pragma: no cover (compiled)
     """``dense_stats(x)`` while copying ``x`` into ``out`` (same dtype and length), in the same
     pass: full mode keeps a copy of each capture and its statistics, and the source is read once,
     while it is in cache, instead of once for the copy and once more, cold, for the statistics."""
+    return _stats_pass(x, out, True)
+
+
+@_jit(fastmath=_FLAGS)
+def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
     n = x.shape[0]
     buf = np.empty(_BLOCK, np.float64)
     bits = buf.view(np.int64)
@@ -191,15 +172,17 @@ def copy_stats(x, out):  # pragma: no cover (compiled)
     hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
     for start in range(0, n, _BLOCK):
         xb = x[start:start + _BLOCK]
-        ob = out[start:start + _BLOCK]
         m = xb.shape[0]
-        for j in range(m):
-            e = xb[j]
-            ob[j] = e
-            v = np.float64(e)
-            s += v
-            sq += v * v
-            buf[j] = v
+        if copy:  # the copy in the same loop: one read of each element
+            ob = out[start:start + _BLOCK]
+            for j in range(m):
+                ob[j] = xb[j]
+                v = np.float64(ob[j])
+                s, sq, buf[j] = s + v, sq + v * v, v
+        else:
+            for j in range(m):
+                v = np.float64(xb[j])
+                s, sq, buf[j] = s + v, sq + v * v, v
         for j in range(m):
             k = bits[j]
             k = k ^ ((k >> 63) & _MAGNITUDE_BITS)

@@ -155,7 +155,8 @@ class Capturing:
             return None, data.clone()
         kept = None
         if data.numel() >= tstats.BIG and data.device.type == "cpu" and data.is_contiguous() \
-                and data.dtype in (torch.float32, torch.float64) and type(data) is torch.Tensor:
+                and data.dtype in (torch.float32, torch.float64) and type(data) is torch.Tensor \
+                and not data.is_neg():
             kept = self.writer.buffers.empty_like(data)
         if kept is None:
             return None, self.writer.buffers.copy(data)

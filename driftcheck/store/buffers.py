@@ -19,7 +19,7 @@ import torch
 
 MIN_BYTES = 1 << 16  # smaller copies come from the allocator's own free lists: cheap already
 PAGE = 4096  # buffers start on a page and run on to the next page boundary: a direct write
-#              (shard.DirectStage) takes a copy straight from its memory
+#              (direct.DirectStage) takes a copy straight from its memory
 
 
 class HostBuffers:

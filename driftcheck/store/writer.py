@@ -21,7 +21,8 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.store import format as fmt
 from driftcheck.store.buffers import HostBuffers
 from driftcheck.store.replay import write_replay
-from driftcheck.store.shard import DirectStage, code_of, strict_json, write_error, write_safetensors
+from driftcheck.store.direct import DirectStage
+from driftcheck.store.shard import code_of, strict_json, write_error, write_safetensors
 
 
 def _umask() -> int:
@@ -88,7 +89,7 @@ class TraceWriter:
         fsync: fsync every shard before the manifest is written (a manifest never outlives
             a shard after a power loss).
         direct: write shards with direct I/O where the file system takes it
-            (``shard.DirectStage``: no copy into the page cache), buffered elsewhere.
+            (``direct.DirectStage``: no copy into the page cache), buffered elsewhere.
 
     ``add`` keeps a reference to the tensor until it is written: callers pass copies they will
     not modify (the tracer does, it copies at hook time, into ``buffers``), nor read after

@@ -17,7 +17,7 @@ from torch import nn
 import driftcheck
 from driftcheck import stats as tstats
 from driftcheck.store import TraceReader, TraceWriter
-from driftcheck.store import shard as store_shard
+from driftcheck.store import direct as store_direct
 from driftcheck.record.tracer import Tracer
 from driftcheck.store.buffers import MIN_BYTES, HostBuffers
 
@@ -63,11 +63,11 @@ def _check(r: TraceReader, ts: list[torch.Tensor]) -> None:
 
 
 def test_direct_shards_round_trip_across_staging_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_shard.DirectStage, "BLOCK", 8192)  # tensors span blocks
+    monkeypatch.setattr(store_direct.DirectStage, "BLOCK", 8192)  # tensors span blocks
     ts = _tensors()
     used = []
-    real = store_shard.DirectStage.write_file
-    monkeypatch.setattr(store_shard.DirectStage, "write_file",
+    real = store_direct.DirectStage.write_file
+    monkeypatch.setattr(store_direct.DirectStage, "write_file",
                         lambda self, *a, **k: used.append(real(self, *a, **k)) or used[-1])
     r = _write(tmp_path, ts)
     _check(r, ts)
@@ -75,18 +75,18 @@ def test_direct_shards_round_trip_across_staging_blocks(tmp_path, monkeypatch):
         pytest.fail(f"{tmp_path} does not take direct I/O here; the fallback is tested below")
     assert len(used) == len(r.manifest["shards"]) > 1
     for shard in r.manifest["shards"]:
-        assert _data_start(r.dir / shard) % store_shard.DirectStage.ALIGN == 0
+        assert _data_start(r.dir / shard) % store_direct.DirectStage.ALIGN == 0
 
 
 def test_page_aligned_copies_are_written_from_their_own_memory(tmp_path, monkeypatch):
     """Copies in HostBuffers start on a page and own the rest of it: each is written from its
     memory at a page boundary, a padding tensor after it; the small ones are staged behind."""
-    monkeypatch.setattr(store_shard.DirectStage, "BLOCK", 8192)
+    monkeypatch.setattr(store_direct.DirectStage, "BLOCK", 8192)
     pool = HostBuffers(limit=1 << 30)
     g = torch.Generator().manual_seed(1)
     big = [pool.copy(torch.randn(n, generator=g).to(dt)) for n, dt in
            [(70_001, torch.float32), (MIN_BYTES // 2 + 3, torch.bfloat16), (80_000, torch.float64)]]
-    monkeypatch.setattr(store_shard.DirectStage, "FROM_MEMORY", MIN_BYTES)
+    monkeypatch.setattr(store_direct.DirectStage, "FROM_MEMORY", MIN_BYTES)
     ts = [big[0], torch.randn(5), big[1], torch.arange(7), big[2], torch.randn(3000)]
     r = _write(tmp_path, ts, shard_bytes=1 << 22)
     _check(r, ts)
@@ -94,12 +94,12 @@ def test_page_aligned_copies_are_written_from_their_own_memory(tmp_path, monkeyp
     with open(r.dir / shard, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
-    pads = [k for k in header if k.startswith(store_shard.DirectStage.PAD)]
+    pads = [k for k in header if k.startswith(store_direct.DirectStage.PAD)]
     assert len(pads) == 3  # none of the three ends on a page boundary
     for e, t in zip(r.entries, ts):
         if any(t is b for b in big):
             begin = header[e["tensor"]["name"]]["data_offsets"][0]
-            assert (8 + n + begin) % store_shard.DirectStage.ALIGN == 0, e["key"]
+            assert (8 + n + begin) % store_direct.DirectStage.ALIGN == 0, e["key"]
 
 
 def test_a_file_system_without_direct_io_gets_buffered_shards(tmp_path, monkeypatch):
@@ -112,7 +112,7 @@ def test_a_file_system_without_direct_io_gets_buffered_shards(tmp_path, monkeypa
             calls.append(path)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
-    monkeypatch.setattr(store_shard.os, "open", no_direct)
+    monkeypatch.setattr(store_direct.os, "open", no_direct)
     ts = _tensors()
     r = _write(tmp_path, ts)
     _check(r, ts)
@@ -122,18 +122,18 @@ def test_a_file_system_without_direct_io_gets_buffered_shards(tmp_path, monkeypa
 
 def test_a_device_refusing_the_alignment_falls_back_without_a_stray_file(tmp_path, monkeypatch):
     real = os.pwrite
-    monkeypatch.setattr(store_shard.os, "pwrite",
+    monkeypatch.setattr(store_direct.os, "pwrite",
                         lambda fd, data, off: (_ for _ in ()).throw(OSError(errno.EINVAL, "bad align")))
     ts = _tensors()
     r = _write(tmp_path, ts)
-    monkeypatch.setattr(store_shard.os, "pwrite", real)
+    monkeypatch.setattr(store_direct.os, "pwrite", real)
     _check(r, ts)
     assert sorted(p.name for p in r.dir.iterdir()) == sorted(
         list(r.manifest["shards"]) + ["manifest.json"])
 
 
 def test_a_write_error_in_the_direct_path_aborts_the_trace(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_shard.os, "pwrite",
+    monkeypatch.setattr(store_direct.os, "pwrite",
                         lambda fd, data, off: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
     with pytest.raises(driftcheck.errors.DriftcheckError, match="No space left"):
         _write(tmp_path, _tensors())
