@@ -17,7 +17,9 @@ import threading
 
 import torch
 
-MIN_BYTES = 1 << 16  # smaller copies come from the allocator's own free lists: cheap already
+MIN_BYTES = 1 << 18  # smaller copies come from the allocator's own free lists (cheap already);
+#                      and each buffer is a mapping of its own: few and large, far below
+#                      vm.max_map_count (65530) even with a whole queue of them in flight
 PAGE = 4096  # buffers start on a page and run on to the next page boundary: a direct write
 #              (direct.DirectStage) takes a copy straight from its memory
 
