@@ -7,13 +7,15 @@ every one faults in and is zeroed by the kernel, and freeing it unmaps it again;
 kernel's share of such a step was larger than the copies themselves. The same shapes come back
 every step, so a copy is made into a buffer of the same byte size that the writer gave back.
 
-A buffer goes back to the free list only when nothing but the pool and the writer's reference
-holds its storage (the storage's use count): a copy somebody kept is never written over.
+A buffer goes back to the free list only when it is one of the pool's own and nothing but the
+writer's reference holds its storage (the storage's use count): a copy somebody kept is never
+written over, and memory the pool did not allocate is never taken.
 """
 from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 
 import torch
 
@@ -34,6 +36,7 @@ class HostBuffers:
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}  # byte size -> uint8 buffers
         self._free_bytes = 0
+        self._ours: dict[int, int] = {}  # address -> capacity of each live buffer it allocated
         self.reused = 0  # copies made into a given-back buffer (tests, benchmarks)
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +63,11 @@ class HostBuffers:
                 self._free_bytes -= cap
                 self.reused += 1
         if buf is None:  # anonymous memory: page-aligned
-            buf = torch.frombuffer(mmap.mmap(-1, cap), dtype=torch.uint8)
+            memory = mmap.mmap(-1, cap)
+            buf = torch.frombuffer(memory, dtype=torch.uint8)
+            self._ours[buf.data_ptr()] = cap
+            # forgotten when the memory goes (no lock: a finalizer may run inside give())
+            weakref.finalize(memory, self._ours.pop, buf.data_ptr(), None)
         # a tensor of its own over the buffer's storage (a view would hold the buffer as its base)
         return torch.empty(0, dtype=t.dtype).set_(buf.untyped_storage(), 0, t.shape)
 
@@ -72,10 +79,11 @@ class HostBuffers:
         if nbytes < MIN_BYTES or t.device.type != "cpu" or t.layout != torch.strided \
                 or t.is_quantized or t.storage_offset() != 0 or t.data_ptr() % PAGE:
             return
+        cap = self._ours.get(t.data_ptr())
         storage = t.untyped_storage()
-        cap = storage.nbytes()
-        # all of a page-rounded storage, held by ``t`` and the storage object just asked for alone
-        if cap != nbytes + (-nbytes % PAGE) or torch._C._storage_Use_Count(storage._cdata) != 2:
+        # one of ours, held by ``t`` and the storage object just asked for alone
+        if cap is None or storage.nbytes() != cap \
+                or torch._C._storage_Use_Count(storage._cdata) != 2:
             return
         with self._lock:
             if self._free_bytes + cap > self.limit:

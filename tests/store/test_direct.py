@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import struct
 
@@ -158,6 +159,9 @@ def test_host_buffers_recycle_only_what_nobody_else_holds():
     s = pool.copy(small)
     pool.give(s)
     assert pool._free_bytes == 0  # below MIN_BYTES: the allocator's business
+    theirs = torch.frombuffer(mmap.mmap(-1, MIN_BYTES * 2), dtype=torch.uint8)  # not the pool's
+    pool.give(theirs)
+    assert pool._free_bytes == 0
     nc = torch.randn(3, MIN_BYTES).t()  # not contiguous: the copy is
     d = pool.copy(nc)
     assert d.is_contiguous() and torch.equal(d, nc)
