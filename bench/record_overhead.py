@@ -17,14 +17,20 @@ With ``--compile BACKEND`` the rows are of the model under ``torch.compile`` ins
 step (the median of the steps after the first) traced over untraced, the microseconds per
 captured tensor, and the compile time (the first step, which compiles the forward and backward)
 traced over untraced. Targets: stats <= 1.3x on the 16M model and <= 1.5x on the tiny one;
-compile time <= 1.5x.
+compile time <= 1.5x. Both compile with inductor's caches off (TORCHINDUCTOR_FORCE_DISABLE_CACHES,
+set here unless given): a cache warm for one model and cold for the other made the ratio 0.5x or
+16x from one run to the next.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
+
+if "--compile" in sys.argv:
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch is imported
 
 import _common as c  # noqa: E402  (sets sys.path)
 import torch
