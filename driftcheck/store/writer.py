@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -228,7 +229,10 @@ class TraceWriter:
         finally:
             if self._error is None:
                 for _, t in tensors:
-                    self.buffers.give(t)
+                    # this list and the loop hold it (+1 for getrefcount's argument): a tensor
+                    # also waiting in another shard, or added twice, is not given back
+                    if sys.getrefcount(t) <= 3:
+                        self.buffers.give(t)
             tensors.clear()
             with self._cond:
                 self._held -= nbytes

@@ -213,3 +213,19 @@ def test_full_mode_recycles_its_copies_and_takes_kept_statistics_in_the_hook(tmp
         for k in ("min", "max", "mean", "std", "absmax", "l2"):
             assert e["stats"][k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), (e["key"], k)
     json.dumps(r.manifest)
+
+
+def test_a_copy_waiting_in_two_shards_is_not_recycled_after_the_first(tmp_path):
+    """The same copy added under two keys that land in different shards: the first shard's write
+    must not give its memory back while the second still has to write it."""
+    pool_writer = TraceWriter(tmp_path / "t", shard_bytes=MIN_BYTES)
+    x = pool_writer.buffers.copy(torch.randn(MIN_BYTES // 4))
+    want = x.clone()
+    pool_writer.add(_entry(0, x), x)
+    pool_writer.flush()  # the first shard goes to the writer thread
+    pool_writer.drain()
+    y = pool_writer.buffers.copy(torch.zeros(MIN_BYTES // 4))  # would reuse x's memory if freed
+    pool_writer.add(_entry(1, x), x)
+    pool_writer.close({"steps": 1})
+    r = TraceReader(tmp_path / "t")
+    assert torch.equal(r.tensor(r.entries[1]), want) and y.data_ptr() != x.data_ptr()
