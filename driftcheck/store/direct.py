@@ -124,11 +124,11 @@ class DirectStage:
             os.ftruncate(fd, base + offset)  # the last write's rounding is not part of the file
             if fsync:
                 os.fsync(fd)
-        except OSError as e:
+        except BaseException as e:
             for w in writes:
                 w.exception()  # wait: no write may land after the file is gone
             os.close(fd)
-            if e.errno != errno.EINVAL:
+            if not isinstance(e, OSError) or e.errno != errno.EINVAL:
                 raise
             self.usable = False  # the device wants another alignment: buffered from now on
             Path(path).unlink(missing_ok=True)
