@@ -13,7 +13,7 @@ from typing import Any
 import crc32c
 import torch
 
-from driftcheck.store.shard import raw_bytes, code_of, strict_json
+from driftcheck.store.shard import header_entry, raw_bytes, strict_json
 
 
 class DirectStage:
@@ -74,10 +74,11 @@ class DirectStage:
                 own.append((name, t, n, mem))
             elif n:
                 staged.append((name, t, n))
+            elif checksums is not None:
+                checksums[name] = crc32c.crc32c(b"")  # written nowhere: the empty checksum
         offset = 0
         for k, (name, t, n, _) in enumerate(own):
-            header[name] = {"dtype": code_of(t.dtype, name), "shape": list(t.shape),
-                            "data_offsets": [offset, offset + n]}
+            header[name] = header_entry(name, t, offset, n)
             offset += n
             pad = -offset % self.ALIGN
             if pad:
@@ -88,8 +89,7 @@ class DirectStage:
         for name, t in order:
             if name not in header:
                 n = t.numel() * t.element_size()
-                header[name] = {"dtype": code_of(t.dtype, name), "shape": list(t.shape),
-                                "data_offsets": [offset, offset + n]}
+                header[name] = header_entry(name, t, offset, n)
                 offset += n
         raw = strict_json(header)
         raw += b" " * (-(8 + len(raw)) % self.ALIGN)  # the data starts on a block boundary

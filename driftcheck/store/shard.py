@@ -54,8 +54,6 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
     file system allows (``direct.DirectStage``: its layout), else buffered.
     """
     order = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
-    if checksums is not None:
-        checksums.update((name, crc32c.crc32c(b"")) for name, t in order if not t.numel())
     if stage is not None and stage.usable:
         size = stage.write_file(path, order, metadata, checksums, fsync)
         if size is not None:
@@ -68,17 +66,14 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
     for name, t in order:
         view = raw_bytes(t)
         n = view.nbytes
-        header[name] = {"dtype": code_of(t.dtype, name), "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
+        header[name] = header_entry(name, t, offset, n)
         offset += n
+        if checksums is not None:
+            checksums[name] = crc32c.crc32c(view)
         if n:
-            views.append((name, view))
+            views.append(view)
     raw = strict_json(header)
     raw += b" " * (-len(raw) % 8)
-    if checksums is not None:
-        for name, view in views:
-            checksums[name] = crc32c.crc32c(view)
-    views = [v for _, v in views]
     # Buffered: stats-mode shards hold thousands of 1-2 KiB samples (one syscall each would
     # dominate); a tensor larger than the buffer still goes straight from its memory.
     with open(path, "wb", buffering=1 << 20) as f:
@@ -88,6 +83,11 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
             f.flush()
             os.fsync(f.fileno())
     return 8 + len(raw) + offset
+
+
+def header_entry(name: str, t: torch.Tensor, offset: int, n: int) -> dict[str, Any]:
+    """A tensor's safetensors header entry: ``n`` bytes at ``offset`` of the data."""
+    return {"dtype": code_of(t.dtype, name), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
 
 
 _ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY

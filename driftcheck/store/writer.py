@@ -273,6 +273,12 @@ class TraceWriter:
         except OSError as e:
             raise write_error(self.dir, e) from e
 
+    def _release_memory(self) -> None:
+        """Drop the recycled copies and the staging blocks (the writer thread has stopped)."""
+        self.buffers.clear()
+        if self._stage is not None:
+            self._stage.close()
+
     def _stop_thread(self) -> None:
         if self._thread is None:
             return
@@ -292,9 +298,7 @@ class TraceWriter:
         """Write every shard, then the manifest last, atomically. Returns the manifest path."""
         self.drain()
         self._stop_thread()
-        self.buffers.clear()
-        if self._stage is not None:
-            self._stage.close()
+        self._release_memory()
         if self.fsync:
             self._sync_shards()
         manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "run": run,
@@ -323,9 +327,7 @@ class TraceWriter:
                 self._error = RuntimeError(f"trace aborted: {reason}")
             self._cond.notify_all()
         self._stop_thread()
-        self.buffers.clear()
-        if self._stage is not None:
-            self._stage.close()
+        self._release_memory()
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)
         (self.dir / fmt.MANIFEST).unlink(missing_ok=True)
