@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from driftcheck.kernels import _BLOCK, _FLAGS, _jit, flat_view, host_array  # noqa: F401  (re-exported)
 
@@ -139,17 +141,14 @@ def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compi
     gather_sample(x, base, shift, samples[k])
 
 
-_MAGNITUDE_BITS = np.int64(0x7FFFFFFFFFFFFFFF)
-
-
 @_jit(fastmath=_FLAGS)
 def dense_stats(x):  # pragma: no cover (compiled)
     """(sum, sum of squares, min, max) of a float32/float64 array in float64, one pass.
 
     Meant for arrays the caller then checks: a NaN or Inf anywhere makes the sum or the sum of
-    squares non-finite. min/max are taken over order-preserving int64 keys of the float64 bit
-    patterns (negative values with their magnitude bits flipped), which vectorize where a
-    floating-point min/max reduction does not."""
+    squares non-finite. min/max are taken over order-preserving integer keys of the values' own
+    bit patterns (int32 for float32, int64 for float64; negative values with their magnitude
+    bits flipped), which vectorize where a floating-point min/max reduction does not."""
     return _stats_pass(x, x, False)
 
 
@@ -164,13 +163,11 @@ def copy_stats(x, out):  # pragma: no cover (compiled)
 @_jit(fastmath=_FLAGS)
 def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
     n = x.shape[0]
-    buf = np.empty(_BLOCK, np.float64)
-    bits = buf.view(np.int64)
     s = 0.0
     sq = 0.0
-    lo = np.int64(0x7FFFFFFFFFFFFFFF)
-    hi = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
-    for start in range(0, n, _BLOCK):
+    keys = _keys(out if copy else x)
+    lo, hi = _key_bounds(keys)
+    for start in range(0, n, _BLOCK):  # slices, not index ranges: those do not vectorize
         xb = x[start:start + _BLOCK]
         m = xb.shape[0]
         if copy:  # the copy in the same loop: one read of each element
@@ -178,21 +175,98 @@ def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
             for j in range(m):
                 ob[j] = xb[j]
                 v = np.float64(ob[j])
-                s, sq, buf[j] = s + v, sq + v * v, v
+                s, sq = s + v, sq + v * v
         else:
             for j in range(m):
                 v = np.float64(xb[j])
-                s, sq, buf[j] = s + v, sq + v * v, v
-        for j in range(m):
-            k = bits[j]
-            k = k ^ ((k >> 63) & _MAGNITUDE_BITS)
+                s, sq = s + v, sq + v * v
+        lo, hi = _key_range(keys[start:start + _BLOCK], lo, hi)  # the block again, from L1
+    mn, mx = _key_values(keys, lo, hi)
+    return s, sq, mn, mx
+
+
+# Order-preserving integer keys of float bit patterns, in the values' own width: a float32
+# array's min/max runs on int32 lanes (twice as many per vector as int64). Chosen by dtype when
+# the calling kernel compiles (numba overloads): one loop in _stats_pass for both dtypes.
+_MAG32 = np.int32(0x7FFFFFFF)
+_MAG64 = np.int64(0x7FFFFFFFFFFFFFFF)
+_SHIFT32 = np.int32(31)
+
+
+def _keys(x):  # pragma: no cover (replaced by its overload in compiled code)
+    raise NotImplementedError
+
+
+def _key_bounds(keys):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _key_range(keys, lo, hi):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _key_values(keys, lo, hi):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_keys, inline="always")
+def _keys_impl(x):  # pragma: no cover (compiled)
+    if x.dtype == types.float32:
+        return lambda x: x.view(np.int32)
+    return lambda x: x.view(np.int64)
+
+
+@overload(_key_bounds, inline="always")
+def _key_bounds_impl(keys):  # pragma: no cover (compiled)
+    """(largest key, smallest key): the starting (lo, hi) of a min/max scan."""
+    if keys.dtype == types.int32:
+        return lambda keys: (np.int32(0x7FFFFFFF), np.int32(-0x7FFFFFFF - 1))
+    return lambda keys: (np.int64(0x7FFFFFFFFFFFFFFF), np.int64(-0x7FFFFFFFFFFFFFFF - 1))
+
+
+@overload(_key_range, inline="always")
+def _key_range_impl(keys, lo, hi):  # pragma: no cover (compiled)
+    """(lo, hi) widened by the keys of a block. Every int32 step cast back to int32:
+    numba widens int32 arithmetic to int64, and the loop would then run on int64 lanes."""
+    if keys.dtype == types.int32:
+        def impl32(keys, lo, hi):
+            for j in range(keys.shape[0]):
+                k = keys[j]
+                k = np.int32(k ^ np.int32(np.int32(k >> _SHIFT32) & _MAG32))
+                lo = k if k < lo else lo
+                hi = k if k > hi else hi
+            return lo, hi
+        return impl32
+
+    def impl64(keys, lo, hi):
+        for j in range(keys.shape[0]):
+            k = keys[j]
+            k = k ^ ((k >> 63) & _MAG64)
             lo = k if k < lo else lo
             hi = k if k > hi else hi
-    ends = np.array([lo, hi], np.int64)
-    for i in range(2):
-        ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAGNITUDE_BITS)
-    f = ends.view(np.float64)
-    return s, sq, f[0], f[1]
+        return lo, hi
+    return impl64
+
+
+@overload(_key_values, inline="always")
+def _key_values_impl(keys, lo, hi):  # pragma: no cover (compiled)
+    """The float64 values of keys lo and hi (the flip is its own inverse)."""
+    if keys.dtype == types.int32:
+        def impl32(keys, lo, hi):
+            ends = np.array([lo, hi], np.int32)
+            for i in range(2):
+                ends[i] = np.int32(ends[i] ^ np.int32(np.int32(ends[i] >> _SHIFT32) & _MAG32))
+            f = ends.view(np.float32)
+            return np.float64(f[0]), np.float64(f[1])
+        return impl32
+
+    def impl64(keys, lo, hi):
+        ends = np.array([lo, hi], np.int64)
+        for i in range(2):
+            ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAG64)
+        f = ends.view(np.float64)
+        return f[0], f[1]
+    return impl64
 
 
 @_jit(fastmath=_FLAGS)

@@ -569,3 +569,28 @@ def test_summarising_a_tensor_leaves_its_storage_resizable():
     for x in (t, small):
         x.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable"
         assert x.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dense_and_copy_stats_give_the_exact_extremes_and_float64_sums(dtype):
+    """The one-pass kernels of large captures: min/max bit for bit those of the values (-0.0
+    below 0.0, as the keys order them: numpy's min leaves that sign to its SIMD path; subnormals, infinities, a length not a multiple of the block), the sums float64's,
+    and copy_stats the same four numbers as dense_stats with the copy made."""
+    from driftcheck import summary_kernels as sk
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(3 * 1024 + 77) * 3 - 0.5).astype(dtype)
+    tiny = np.finfo(dtype).smallest_subnormal
+    for case in (x, np.array([0.0, -0.0], dtype), np.array([tiny, -tiny, -0.0], dtype),
+                 np.array([-2.5, -1.0, -7.0], dtype), np.append(x, dtype(-np.inf))):
+        s, sq, lo, hi = sk.dense_stats(case)
+        order = sorted(case.tolist(), key=lambda v: (v, math.copysign(1, v)))  # -0.0 < 0.0
+        assert [(v, math.copysign(1, v)) for v in (lo, hi)] == \
+            [(v, math.copysign(1, v)) for v in (order[0], order[-1])]
+        if np.isfinite(case).all():
+            wide = case.astype(np.float64)
+            assert s == pytest.approx(wide.sum(), rel=1e-12, abs=1e-12)
+            assert sq == pytest.approx((wide * wide).sum(), rel=1e-12)
+        out = np.empty_like(case)
+        got = sk.copy_stats(case, out)
+        assert np.array_equal(out, case) and np.array_equal(np.array(got), np.array((s, sq, lo, hi)))
