@@ -155,7 +155,7 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
         if t.numel() >= BIG and t.device.type == "cpu" and t.dtype not in _FP8 and t.is_floating_point():
             rows[i] = _large_stats(t)
             if sample_keys[i] is not None:
-                samples[i] = _large_sample(t, sample_keys[i], seed)
+                samples[i] = large_sample(t, sample_keys[i], seed)
             continue
         if t.numel() == 0 or t.is_complex():
             rows[i] = stats_vector(t)
@@ -239,10 +239,10 @@ def _kernels():
     return summary_kernels
 
 
-def _large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
-    """``sample_of`` a large host tensor: for float32/float64, gathered by one compiled call
-    from the array ``_large_stats`` reads (the same positions, bit for bit)."""
-    if t.dtype not in (torch.float32, torch.float64):
+def large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
+    """``sample_of`` a large tensor: on the host for float32/float64, gathered by one compiled
+    call from the array ``_large_stats`` reads (the same positions, bit for bit)."""
+    if t.dtype not in (torch.float32, torch.float64) or t.device.type != "cpu":
         return sample_of(t, key, seed)
     x = _kernels().flat_view(t.detach().contiguous())
     out = np.empty(SAMPLE_SIZE, dtype=x.dtype)
@@ -289,7 +289,7 @@ def summarize_one(t: torch.Tensor, key: str, seed: int) -> tuple[torch.Tensor | 
     if t.numel() >= BIG and t.dtype in _HOST_DTYPES and t.device.type == "cpu":
         row = large_row(t)
         if row is not None:
-            return row, _large_sample(t, key, seed)
+            return row, large_sample(t, key, seed)
     rows, samples = summarize([t], [key], seed)
     return rows[0], samples[0]  # type: ignore[return-value]
 

@@ -185,6 +185,30 @@ def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
     return s, sq, mn, mx
 
 
+
+@_jit(fastmath=_FLAGS)
+def weighted_absmax(x, cols, span):  # pragma: no cover (compiled)
+    """``record.watch``'s weighted |logit| max of a float32/float64 softmax input, rows of
+    ``cols`` laid end to end (softmax over the last dim): max(largest finite row max, -(least
+    element within ``span`` below its row's max), 0), the row max and threshold rounded to
+    float32 as the torch expression does; a row holding NaN or a non-finite max keeps nothing.
+    Two scans of each row while it is in L1, both on integer keys (they vectorize)."""
+    keys = _keys(x)
+    high = -math.inf
+    least = 0.0  # kept values below 0 are what counts: start at 0
+    for start in range(0, x.shape[0], cols):
+        row = keys[start:start + cols]
+        lo, hi = _key_bounds(row)
+        lo, hi = _key_range(row, lo, hi)
+        mn, mx = _key_values(row, lo, hi)
+        top = np.float32(mx)
+        if math.isnan(mn) or not math.isfinite(top):  # NaN (either sign) or +-inf as the max
+            continue
+        high = max(high, np.float64(top))
+        floor = np.float32(top - np.float32(span))
+        least = min(least, _least_at_or_above(row, x[start:start + cols], floor))
+    return max(np.float32(high), np.float32(-least), np.float32(0.0))
+
 # Order-preserving integer keys of float bit patterns, in the values' own width: a float32
 # array's min/max runs on int32 lanes (twice as many per vector as int64). Chosen by dtype when
 # the calling kernel compiles (numba overloads): one loop in _stats_pass for both dtypes.
@@ -208,6 +232,10 @@ def _key_range(keys, lo, hi):  # pragma: no cover
 def _key_values(keys, lo, hi):  # pragma: no cover
     raise NotImplementedError
 
+
+
+def _least_at_or_above(keys, x, floor):  # pragma: no cover
+    raise NotImplementedError
 
 @overload(_keys, inline="always")
 def _keys_impl(x):  # pragma: no cover (compiled)
@@ -282,3 +310,29 @@ def col_sumsq(x, k, out):  # pragma: no cover (compiled)
             v = np.float64(row[j])
             out[j] += v * v
 
+
+@overload(_least_at_or_above, inline="always")
+def _least_at_or_above_impl(keys, x, floor):  # pragma: no cover (compiled)
+    """min(0, least x[j] >= floor) as a float64, on the keys of x (a key of 0 where x[j] is
+    below floor or NaN: the compare is false)."""
+    if keys.dtype == types.int32:
+        def impl32(keys, x, floor):
+            m = np.int32(0)
+            for j in range(keys.shape[0]):
+                k = keys[j]
+                k = np.int32(k ^ np.int32(np.int32(k >> _SHIFT32) & _MAG32))
+                k = k if x[j] >= floor else np.int32(0)
+                m = k if k < m else m
+            return _key_values(keys, m, m)[0]
+        return impl32
+
+    def impl64(keys, x, floor):
+        m = np.int64(0)
+        f = np.float64(floor)
+        for j in range(keys.shape[0]):
+            k = keys[j]
+            k = k ^ ((k >> 63) & _MAG64)
+            k = k if x[j] >= f else np.int64(0)
+            m = k if k < m else m
+        return _key_values(keys, m, m)[0]
+    return impl64

@@ -66,7 +66,7 @@ class Capturing:
                 or known[1] != self._identity(t):
             return None
         row, skey, sample = known[2:]
-        again = tstats.sample_of(data, skey, self.seed)
+        again = tstats.large_sample(data, skey, self.seed)
         return row if again.shape == sample.shape and torch.equal(again, sample.to(again)) else None
 
     def _remember_summary(self, t: torch.Tensor, row: Any, skey: str | None = None,
@@ -144,7 +144,7 @@ class Capturing:
                 row, sample = tstats.summarize_one(data, skey, self.seed)
                 self._remember_summary(t, row, skey, sample)
             else:  # the same tensor, unchanged, seen earlier this step: only the sample
-                sample = tstats.sample_of(data, skey, self.seed)
+                sample = tstats.large_sample(data, skey, self.seed)
             return (row, sample), sample
         # copy at hook time: later in-place ops must not leak in. A copy the trace stores whole
         # goes into memory the writer recycles (store/buffers.py); one only summarised at the

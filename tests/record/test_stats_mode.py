@@ -586,11 +586,12 @@ def test_dense_and_copy_stats_give_the_exact_extremes_and_float64_sums(dtype):
         s, sq, lo, hi = sk.dense_stats(case)
         order = sorted(case.tolist(), key=lambda v: (v, math.copysign(1, v)))  # -0.0 < 0.0
         assert [(v, math.copysign(1, v)) for v in (lo, hi)] == \
-            [(v, math.copysign(1, v)) for v in (order[0], order[-1])]
+            [(v, math.copysign(1, v)) for v in (order[0], order[-1])], (case, lo, hi)
         if np.isfinite(case).all():
             wide = case.astype(np.float64)
-            assert s == pytest.approx(wide.sum(), rel=1e-12, abs=1e-12)
-            assert sq == pytest.approx((wide * wide).sum(), rel=1e-12)
+            assert s == pytest.approx(wide.sum(), rel=1e-12, abs=1e-12), (case, s)
+            assert sq == pytest.approx((wide * wide).sum(), rel=1e-12), (case, sq)
         out = np.empty_like(case)
         got = sk.copy_stats(case, out)
-        assert np.array_equal(out, case) and np.array_equal(np.array(got), np.array((s, sq, lo, hi)))
+        assert np.array_equal(out, case)
+        assert np.array_equal(np.array(got), np.array((s, sq, lo, hi))), (case, got, (s, sq, lo, hi))

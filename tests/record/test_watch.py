@@ -21,7 +21,7 @@ def _by_definition(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(keep, x.abs(), torch.zeros(())).amax()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("dim", [-1, 0, 1])
 def test_weighted_absmax_is_its_definition(dtype, dim):
     g = torch.Generator().manual_seed(0)
@@ -36,6 +36,33 @@ def test_weighted_absmax_is_its_definition(dtype, dim):
             x = -x.abs()  # every logit negative
         assert float(_weighted_absmax(x, dim)) == float(_by_definition(x, dim))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weighted_absmax_on_the_host_kernel_equals_the_torch_ops(dtype):
+    """A contiguous host softmax input over its last dim takes one compiled call; the same
+    values laid out transposed take the torch ops: the same float32 value, rows holding NaN
+    (either sign), +inf, all -inf, causal masks and all-negative logits included."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 3, 40, 40, generator=g, dtype=dtype) * 30
+    causal = base.masked_fill(torch.triu(torch.ones(40, 40, dtype=torch.bool), 1), -math.inf)
+    nan_row, neg_nan, inf_row = causal.clone(), causal.clone(), causal.clone()
+    nan_row[0, 0, 5, 3] = math.nan
+    neg_nan[1, 1, 30, 2] = -math.nan
+    inf_row[1, 2, 7, 0] = math.inf
+    all_nan = torch.full((2, 4), math.nan, dtype=dtype)
+    all_nan[1] = torch.tensor([1.0, -50.0, -30.0, 2.0])
+    for x in (base, causal, nan_row, neg_nan, inf_row, all_nan, -causal.abs() - 3,
+              torch.full((3, 5), -math.inf, dtype=dtype), torch.tensor([[-100.0, -70.0, -50.0]], dtype=dtype),
+              torch.tensor([[1.0, 2.0], [100.0, math.nan]], dtype=dtype),  # the NaN row has the max
+              torch.tensor([[1.0, 2.0], [100.0, -math.nan]], dtype=dtype),
+              torch.tensor([[10.0, -30.0]], dtype=dtype)):  # exactly LOGIT_SPAN below: kept
+        other = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # not contiguous: torch ops
+        fast, slow = _weighted_absmax(x, -1), _weighted_absmax(other, -1)
+        assert fast.dtype == slow.dtype == torch.float32
+        assert fast.item() == slow.item(), (fast, slow)
+    assert _weighted_absmax(torch.tensor([[1.0, 2.0], [100.0, -math.nan]], dtype=dtype), -1).item() == 2.0
+    assert _weighted_absmax(torch.tensor([[10.0, -30.0]], dtype=dtype), -1).item() == 30.0
 
 class _Counter(TorchFunctionMode):
     def __init__(self) -> None:
