@@ -185,7 +185,6 @@ def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
     return s, sq, mn, mx
 
 
-
 @_jit(fastmath=_FLAGS)
 def weighted_absmax(x, cols, span):  # pragma: no cover (compiled)
     """``record.watch``'s weighted |logit| max of a float32/float64 softmax input, rows of
@@ -208,6 +207,7 @@ def weighted_absmax(x, cols, span):  # pragma: no cover (compiled)
         floor = np.float32(top - np.float32(span))
         least = min(least, _least_at_or_above(row, x[start:start + cols], floor))
     return max(np.float32(high), np.float32(-least), np.float32(0.0))
+
 
 # Order-preserving integer keys of float bit patterns, in the values' own width: a float32
 # array's min/max runs on int32 lanes (twice as many per vector as int64). Chosen by dtype when
@@ -233,9 +233,9 @@ def _key_values(keys, lo, hi):  # pragma: no cover
     raise NotImplementedError
 
 
-
 def _least_at_or_above(keys, x, floor):  # pragma: no cover
     raise NotImplementedError
+
 
 @overload(_keys, inline="always")
 def _keys_impl(x):  # pragma: no cover (compiled)
