@@ -284,3 +284,60 @@ def test_a_break_is_the_captures_only_where_its_stack_passes_through_capture_cod
     tap = f'File "{pkg}/record/taps.py", line 101, in pre\n'
     assert _our_line(loop + model + tap) == "driftcheck/record/taps.py:101"
     assert _our_line("guard  # driftcheck/record/hooks.py:30 in _enter") == "driftcheck/record/hooks.py:30"
+
+
+class _Backbone(nn.Module):
+    """A backbone whose forward consumes its own output (HF's pooler on last_hidden_state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.pool = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return h, self.pool(h)
+
+
+class _UsesBoth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = _Backbone()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, p = self.backbone(x)
+        return self.head(p) + 0.5 * h.sum(-1, keepdim=True)  # h used outside the backbone too
+
+
+def test_a_submodule_compiled_in_place_is_no_false_failure(tmp_path):
+    """``backbone.compile()``: its hooks run around its compiled forward, where a hook on its
+    output would see only the gradient from the parent's use, not the pooler's inside (a false
+    failure against the eager reference). Its output gradients are capture gaps, every other
+    entry is judged (the backbone's inner modules, captured in the graph, hold the same tensors)."""
+    def run(out: Path, compiled: bool) -> Path:
+        torch.manual_seed(0)
+        model, x = _UsesBoth(), torch.randn(4, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if compiled:
+            model.backbone.compile(backend="aot_eager")
+        with driftcheck.trace(model, out, mode="full", optimizer=opt) as t:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            t.step(loss)
+        return out
+
+    ref, tgt = run(tmp_path / "ref", False), run(tmp_path / "tgt", True)
+    rep = compare(str(ref), str(tgt))
+    assert rep.verdict == "pass"
+    gaps = [f for f in rep.findings if f.kind == "compile.capture_gap"]
+    assert [(f.module, sorted(f.details["keys"])) for f in gaps] == \
+        [("backbone", ["0/backward/backbone/0/grad_output.0", "0/backward/backbone/0/grad_output.1"])]
+    r, t = TraceReader(ref), TraceReader(tgt)
+    theirs = {e["key"]: e for e in t.manifest["entries"]}
+    judged = [e for e in r.manifest["entries"] if e["key"] in theirs]
+    assert len(judged) == len(r.manifest["entries"]) - 2
+    for inner in ("body", "pool"):  # the same tensors as the two outputs, tapped in the graph
+        key = f"0/backward/backbone.{inner}/0/grad_output"
+        assert torch.equal(r.tensor(next(e for e in judged if e["key"] == key)), t.tensor(theirs[key]))
