@@ -217,6 +217,10 @@ _MAG64 = np.int64(0x7FFFFFFFFFFFFFFF)
 _SHIFT32 = np.int32(31)
 
 
+def _flip(k):  # pragma: no cover (replaced by its overload in compiled code)
+    raise NotImplementedError
+
+
 def _keys(x):  # pragma: no cover (replaced by its overload in compiled code)
     raise NotImplementedError
 
@@ -237,6 +241,16 @@ def _least_at_or_above(keys, x, floor):  # pragma: no cover
     raise NotImplementedError
 
 
+@overload(_flip, inline="always")
+def _flip_impl(k):  # pragma: no cover (compiled)
+    """A float bit pattern's order-preserving key, and back (the flip is its own inverse):
+    negative values with their magnitude bits flipped. Every int32 step cast back to int32:
+    numba widens int32 arithmetic to int64, and a loop would then run on int64 lanes."""
+    if k == types.int32:
+        return lambda k: np.int32(k ^ np.int32(np.int32(k >> _SHIFT32) & _MAG32))
+    return lambda k: k ^ ((k >> 63) & _MAG64)
+
+
 @overload(_keys, inline="always")
 def _keys_impl(x):  # pragma: no cover (compiled)
     if x.dtype == types.float32:
@@ -254,13 +268,11 @@ def _key_bounds_impl(keys):  # pragma: no cover (compiled)
 
 @overload(_key_range, inline="always")
 def _key_range_impl(keys, lo, hi):  # pragma: no cover (compiled)
-    """(lo, hi) widened by the keys of a block. Every int32 step cast back to int32:
-    numba widens int32 arithmetic to int64, and the loop would then run on int64 lanes."""
+    """(lo, hi) widened by the keys of a block."""
     if keys.dtype == types.int32:
         def impl32(keys, lo, hi):
             for j in range(keys.shape[0]):
-                k = keys[j]
-                k = np.int32(k ^ np.int32(np.int32(k >> _SHIFT32) & _MAG32))
+                k = _flip(keys[j])
                 lo = k if k < lo else lo
                 hi = k if k > hi else hi
             return lo, hi
@@ -268,8 +280,7 @@ def _key_range_impl(keys, lo, hi):  # pragma: no cover (compiled)
 
     def impl64(keys, lo, hi):
         for j in range(keys.shape[0]):
-            k = keys[j]
-            k = k ^ ((k >> 63) & _MAG64)
+            k = _flip(keys[j])
             lo = k if k < lo else lo
             hi = k if k > hi else hi
         return lo, hi
@@ -283,7 +294,7 @@ def _key_values_impl(keys, lo, hi):  # pragma: no cover (compiled)
         def impl32(keys, lo, hi):
             ends = np.array([lo, hi], np.int32)
             for i in range(2):
-                ends[i] = np.int32(ends[i] ^ np.int32(np.int32(ends[i] >> _SHIFT32) & _MAG32))
+                ends[i] = _flip(ends[i])
             f = ends.view(np.float32)
             return np.float64(f[0]), np.float64(f[1])
         return impl32
@@ -291,7 +302,7 @@ def _key_values_impl(keys, lo, hi):  # pragma: no cover (compiled)
     def impl64(keys, lo, hi):
         ends = np.array([lo, hi], np.int64)
         for i in range(2):
-            ends[i] = ends[i] ^ ((ends[i] >> 63) & _MAG64)
+            ends[i] = _flip(ends[i])
         f = ends.view(np.float64)
         return f[0], f[1]
     return impl64
@@ -319,8 +330,7 @@ def _least_at_or_above_impl(keys, x, floor):  # pragma: no cover (compiled)
         def impl32(keys, x, floor):
             m = np.int32(0)
             for j in range(keys.shape[0]):
-                k = keys[j]
-                k = np.int32(k ^ np.int32(np.int32(k >> _SHIFT32) & _MAG32))
+                k = _flip(keys[j])
                 k = k if x[j] >= floor else np.int32(0)
                 m = k if k < m else m
             return _key_values(keys, m, m)[0]
@@ -330,8 +340,7 @@ def _least_at_or_above_impl(keys, x, floor):  # pragma: no cover (compiled)
         m = np.int64(0)
         f = np.float64(floor)
         for j in range(keys.shape[0]):
-            k = keys[j]
-            k = k ^ ((k >> 63) & _MAG64)
+            k = _flip(keys[j])
             k = k if x[j] >= f else np.int64(0)
             m = k if k < m else m
         return _key_values(keys, m, m)[0]
