@@ -268,23 +268,14 @@ def _key_bounds_impl(keys):  # pragma: no cover (compiled)
 
 @overload(_key_range, inline="always")
 def _key_range_impl(keys, lo, hi):  # pragma: no cover (compiled)
-    """(lo, hi) widened by the keys of a block."""
-    if keys.dtype == types.int32:
-        def impl32(keys, lo, hi):
-            for j in range(keys.shape[0]):
-                k = _flip(keys[j])
-                lo = k if k < lo else lo
-                hi = k if k > hi else hi
-            return lo, hi
-        return impl32
-
-    def impl64(keys, lo, hi):
+    """(lo, hi) widened by the keys of a block (int32 or int64: ``_flip`` keeps the width)."""
+    def impl(keys, lo, hi):
         for j in range(keys.shape[0]):
             k = _flip(keys[j])
             lo = k if k < lo else lo
             hi = k if k > hi else hi
         return lo, hi
-    return impl64
+    return impl
 
 
 @overload(_key_values, inline="always")
