@@ -21,6 +21,8 @@ no fast-math flag that changes what a single operation returns is set, and NaN/I
 from __future__ import annotations
 
 import math
+import signal
+import threading
 
 import numba
 import numpy as np
@@ -35,13 +37,45 @@ _FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of
 
 def _jit(**options):
     """``numba.njit(nogil=True, cache=True)``; without a writable cache location (a read-only
-    install and no writable home), compile on first use in each process instead."""
+    install and no writable home), compile on first use in each process instead. Either way
+    compiling (or loading from the cache) holds Ctrl-C back until it is done: see
+    ``hold_interrupts``."""
     def decorate(fn):
         try:
-            return numba.njit(nogil=True, cache=True, **options)(fn)
+            dispatcher = numba.njit(nogil=True, cache=True, **options)(fn)
         except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(nogil=True, **options)(fn)
+            dispatcher = numba.njit(nogil=True, **options)(fn)
+        return hold_interrupts(dispatcher)
     return decorate
+
+
+def hold_interrupts(dispatcher):
+    """Make ``dispatcher`` (a numba ``njit`` function) compile with SIGINT held back.
+
+    numba compiles on a call with new argument types, and LLVM calls back into Python through
+    ctypes while it does: a KeyboardInterrupt raised inside such a callback is printed as "Exception
+    ignored" and lost, and the process then dies of the signal (exit status -2) instead of
+    finishing the trace as interrupted (130). While a kernel compiles in the main thread, SIGINT is
+    only noted, and raised as the usual KeyboardInterrupt once the compile is done. Calls with types
+    already compiled never reach this (numba's dispatcher calls ``_compile_for_args`` only on a
+    miss), so it costs nothing per call."""
+    compile_for_args = dispatcher._compile_for_args
+
+    def compile_holding_interrupts(*args, **kws):
+        handler = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is not threading.main_thread() or not callable(handler):
+            return compile_for_args(*args, **kws)  # Python's handlers run in the main thread only
+        caught = []
+        signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+        try:
+            return compile_for_args(*args, **kws)
+        finally:
+            signal.signal(signal.SIGINT, handler)
+            if caught:
+                handler(*caught[0])
+
+    dispatcher._compile_for_args = compile_holding_interrupts
+    return dispatcher
 
 
 _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}

@@ -71,6 +71,40 @@ def test_ctrl_c_mid_record(scen, tmp_path, capsys):
     _refused_as_incomplete(out, capsys)
 
 
+def _signalled_while_typing(x):  # pragma: no cover (replaced by its overload in compiled code)
+    return x
+
+
+def test_ctrl_c_while_a_kernel_compiles_waits_for_the_compile():
+    """SIGINT arriving while numba compiles a kernel (it calls back into Python through ctypes,
+    where a KeyboardInterrupt is lost and the process then dies of the signal: the flake this
+    fixed) is raised as KeyboardInterrupt once the compile is done, not inside it."""
+    import numba
+    from numba.extending import overload
+
+    from driftcheck.kernels import hold_interrupts
+
+    @overload(_signalled_while_typing)
+    def _typing(x):  # runs while the kernel below compiles
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python's handler runs here, at the next bytecode, without the hold
+        return lambda x: x + 1.0
+
+    def kernel(x):
+        return _signalled_while_typing(x)
+
+    held = hold_interrupts(numba.njit(kernel))  # no cache: every run of the test compiles
+    with pytest.raises(KeyboardInterrupt):
+        held(1.0)
+    assert len(held.overloads) == 1  # the compile ran to its end before the interrupt
+    assert held(1.0) == 2.0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    bare = numba.njit(kernel)  # the same without the hold: the interrupt lands inside the compile
+    with pytest.raises(KeyboardInterrupt):
+        bare(1)  # an int: types not seen before, so the overload is typed (and signals) again
+    assert len(bare.overloads) == 0
+
+
 def test_sigkill_mid_record_then_force_rerecord(scen, tmp_path, capsys):
     out = tmp_path / "t"
     proc = _start_slow_record(scen, out)
