@@ -7,8 +7,9 @@ no graph break or recompilation of its own.
     python bench/compiled.py --models llama,hf:gemma --dtypes bf16
 
 Per model and target dtype it prints the verdict, the worst entry ratio and where it is, the
-record's Dynamo counters (graphs, the model's own graph breaks, recompilations) and the
-capture's own compile.* findings (which must be none).
+record's Dynamo counters (graphs, the model's own graph breaks, recompilations), the entries the
+compiled capture could not take (``compile.capture_gap`` keys, warnings) and the capture's own
+compile.* findings (which must be none).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def main() -> int:
             try:
                 record(load_scenario(model), ref, force=True, model_id=model)
             except (DriftcheckError, ImportError) as e:
-                rows.append([model, "-", f"skipped: {str(e)[:80]}", "", "", "", "", ""])
+                rows.append([model, "-", f"skipped: {str(e)[:80]}", "", "", "", "", "", ""])
                 print(rows[-1], flush=True)
                 continue
             for dtype in args.dtypes.split(","):
@@ -62,14 +63,16 @@ def main() -> int:
                 run = TraceReader(out).run["compile"]
                 ours = [f["kind"] for f in TraceReader(out).manifest["findings"]
                         if f["kind"].startswith("compile.") and f.get("severity") == "error"]
+                gaps = sum(len(f.details.get("keys", ())) for f in rep.findings
+                           if f.kind == "compile.capture_gap")
                 failed += rep.verdict != "pass" or bool(ours)
                 rows.append([model, dtype, rep.verdict,
                              f"{worst.ratio:.2f} ({worst.module} {worst.phase} {worst.slot})" if worst else "-",
-                             str(run["graphs"]), str(run["graph_breaks"]), str(run["recompiles"]),
+                             str(run["graphs"]), str(run["graph_breaks"]), str(run["recompiles"]), str(gaps),
                              ",".join(ours) or "none"])
                 print(rows[-1], f"{time.perf_counter() - t0:.0f}s", flush=True)
     c.print_table(["model", "target", "verdict", "worst ratio (entry)", "graphs",
-                   "model's breaks", "recompiles", "capture's findings"], rows)
+                   "model's breaks", "recompiles", "gaps", "capture's findings"], rows)
     print(f"\n{failed} failing case(s); backend {args.backend}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s)")
     return 1 if failed else 0

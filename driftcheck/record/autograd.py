@@ -23,17 +23,24 @@ class BackwardHooks:
     def _hook_backward(self, name: str, call: int, outputs: list[tuple[str, torch.Tensor]],
                        ctx: dict[str, Any], made_by: dict[str, str] | None = None) -> None:
         bctx = backward_meta(ctx)
+        tapped = self._tapped_out.pop((name, call), ())
+        if tapped:  # hooked in the graph by the module's forward_tap (record/taps.py)
+            self._tap_ctx[(name, call)] = bctx
         for slot, t in (outputs if name or self.root_output_grads else ()):
+            if slot in tapped:
+                continue
+            gslot = "grad_" + slot
+            gctx = dict(bctx, made_by=made_by[slot]) if made_by and slot in made_by else bctx
             if self.compiled and compiled_output(t):
                 # This hook runs around the compiled code that made ``t`` (the module's forward
                 # compiled as a frame of its own): a hook here would see only the gradient that
                 # reaches ``t`` from outside that code, not the share of any use inside it, a
-                # false failure against an eager reference. Left out: compare reports the
-                # entry as a compile.capture_gap, not judged (docs/compile.md).
+                # false failure against an eager reference. Its gradient comes from the graph
+                # where a forward_tap there hooked the same tensor; otherwise it is left out and
+                # compare reports a compile.capture_gap, not judged (docs/compile.md).
+                self._alias_grad(name, call, gslot, t, gctx)
                 continue
             if t.requires_grad and floating(t) and t.grad_fn is not None:
-                gslot = "grad_" + slot
-                gctx = dict(bctx, made_by=made_by[slot]) if made_by and slot in made_by else bctx
                 hook = own_work(self._make_grad_output_hook(name, call, gslot, gctx))
                 t.register_hook(hook)
                 if whole_base_node(t) is not None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.record.taps import AROUND_GRAPH
+from driftcheck.record.taps import AROUND_GRAPH, FORWARD_FRAME
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the driftcheck package
@@ -138,8 +138,9 @@ class Account:
         findings = []
         for m in frames:  # a frame Dynamo compiled from the tracer's own code: it broke the graph
             where = str(getattr(m, "co_filename", "") or "")
-            if where == _TAPS and getattr(m, "co_name", None) in AROUND_GRAPH:
-                continue  # a compiled model's own hooks, around its graph (record/taps.py)
+            if where == _TAPS and (getattr(m, "co_name", None) in AROUND_GRAPH or _forward_frame(m)):
+                continue  # a compiled model's own hooks, around its graph, or a module's
+                # forward compiled as a frame of its own, as untraced (record/taps.py)
             if where.startswith(_OURS):
                 findings.append(_finding(
                     "compile.graph_break", "error",
@@ -160,7 +161,8 @@ class Account:
                     + _reason(stack), {"stack": stack[-2000:]}))
         for m in recompiles:
             reason = str(m.recompile_reason)
-            ours = bool(_our_line(reason)) or str(getattr(m, "co_filename", "")).startswith(_OURS)
+            ours = bool(_our_line(reason)) or (str(getattr(m, "co_filename", "")).startswith(_OURS)
+                                               and not _forward_frame(m))
             findings.append(_finding(
                 "compile.recompile", "error" if ours else "warning",
                 (f"Dynamo recompiled {getattr(m, 'co_name', '?')} because of the tracer's state: "
@@ -196,10 +198,16 @@ class _Collect(logging.Handler):
             pass
 
 
+def _forward_frame(metrics: Any) -> bool:
+    """A frame of a module's forward_tap, or a resume function of one (record/taps.py)."""
+    return FORWARD_FRAME in str(getattr(metrics, "co_name", "") or "")
+
+
 def _our_line(text: str) -> str | None:
-    """The innermost place in driftcheck's capture code that ``text`` (a stack) names."""
-    hits = [m for m in _OUR_FILE.finditer(text) if m.group(1).startswith(_OURS) or
-            not os.path.isabs(m.group(1))]
+    """The innermost place in driftcheck's capture code that ``text`` (a stack) names; a
+    forward_tap calling the module's forward is the model's place, not the capture's."""
+    hits = [m for m in _OUR_FILE.finditer(text) if (m.group(1).startswith(_OURS) or
+            not os.path.isabs(m.group(1))) and not text.startswith(f", in {FORWARD_FRAME}", m.end())]
     if not hits:
         return None
     path, line = hits[-1].group(1), hits[-1].group(2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import types
 import weakref
 from typing import Any, Callable
 
@@ -174,20 +175,84 @@ def passes_through(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.dropout._DropoutNd) and (module.p == 0 or not module.training)
 
 
-def post(tid: int, name: str, root_grads: bool, module: nn.Module, args: tuple, kwargs: dict,
+def post(tid: int, name: str, hook_outputs: bool, module: nn.Module, args: tuple, kwargs: dict,
          output: Any) -> None:
     """The post-hook as graph code: tap the inputs (a floor's magnitudes read them) and the
-    outputs; hook each output that needs a gradient."""
+    outputs; hook each output that needs a gradient where ``hook_outputs`` (not the root's
+    where the loop's outputs are not the loss's, nor a module whose ``forward_tap`` does)."""
     inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
     outputs = list(flatten(output, "output"))
     pairs = inputs + outputs
     call = torch.ops.driftcheck.tap([t for _, t in pairs], tid, name, "post",
                                     _SEP.join(s for s, _ in pairs))
-    if name or root_grads:
-        for slot, t in outputs:
-            if _wants_grad(t):
-                t.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call))
+    if hook_outputs:
+        _hook_outputs(tid, name, outputs, call)
     return None
+
+
+def _hook_outputs(tid: int, name: str, outputs: list[tuple[str, Any]], call: torch.Tensor) -> None:
+    for slot, t in outputs:
+        if _wants_grad(t):
+            t.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call))
+
+
+# -- a module's forward compiled as a frame of its own ------------------------------------------
+FORWARD_FRAME = "tap_forward_"  # the code name of each forward_tap (one code object per module)
+_MISSING = object()
+
+
+def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Callable | None:
+    """The forward of ``module`` with its output gradients hooked as graph code, for a model
+    that runs compiled code: None where it cannot be (a forward without Python code of its own)
+    or need not (Dynamo would never compile the forward as a frame of its own).
+
+    Dynamo runs a module's hooks eagerly around its ``forward`` where it compiles the forward
+    as a frame of its own (``module.compile()``; a module called from a frame Dynamo skipped),
+    and an eager hook on an output sees only the gradient from outside the compiled code, not
+    the share of a use inside it. Called in place of ``forward`` (``GraphTaps._tap_forwards``), this is
+    that frame: its output hooks are traced into the graph and get the whole gradient, as where
+    Dynamo inlines the module's hooks. Each module gets a code object of its own, so the frames
+    of two modules are two compiles, not recompilations of one code. Its output tap numbers
+    the call the module's pre-hook opened (``GraphTaps._on_tap``), eager or traced alike."""
+    forward = module.forward
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    if code is None:
+        return None
+    inbuilt = type(module).__module__.startswith(("torch.nn.", "torch.ao."))
+    if not inbuilt and torch._dynamo.trace_rules.check(code):
+        return None  # skipped as a frame (torch's own code, a disabled forward): left as it is
+
+    def tap_forward(*args: Any, **kwargs: Any) -> Any:
+        output = forward(*args, **kwargs)
+        if torch.compiler.is_compiling() and (name or root_grads):
+            outputs = [(s, t) for s, t in flatten(output, "output") if _wants_grad(t)]
+            if outputs:
+                call = torch.ops.driftcheck.tap([t for _, t in outputs], tid, name, "out",
+                                                _SEP.join(s for s, _ in outputs))
+                _hook_outputs(tid, name, outputs, call)
+        return output
+
+    own = tap_forward.__code__.replace(co_name=f"{FORWARD_FRAME}{next(_IDS)}")
+    fn = types.FunctionType(own, tap_forward.__globals__, own.co_name, None, tap_forward.__closure__)
+    fn = functools.update_wrapper(fn, forward)  # its signature is the forward's (Trainer reads it)
+    fn.__name__ = own.co_name
+    fn._driftcheck_replaces = module.__dict__.get("forward", _MISSING)
+    return fn
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """Where a tensor's values are: the same graph output, seen inside and outside its graph."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def uninstall(module: nn.Module) -> None:
+    fn = module.__dict__.get("forward")
+    if hasattr(fn, "_driftcheck_replaces"):
+        before = fn._driftcheck_replaces
+        if before is _MISSING:
+            del module.forward
+        else:
+            module.forward = before
 
 
 def _grad_hook(tid: int, name: str, slot: str, call: torch.Tensor, grad: torch.Tensor) -> None:
@@ -235,6 +300,14 @@ class GraphTaps:
             return -1
         pairs = list(zip(slots, tensors))
         module = self._by_name[name]
+        if where == "out":  # the outputs of the call open on top (record/taps.py: forward_tap)
+            top = self._stack[-1] if self._stack else None
+            if top is None or top[0] != name or not self._selected(name):
+                return -1
+            self._tapped_out[top] = set(slots)
+            for slot, t in pairs:  # an enclosing call that returns it as it is: _alias_grad
+                self._tapped_tensors[_where(t)] = (name, top[1], "grad_" + slot, weakref.ref(t))
+            return top[1]
         with torch.no_grad(), torch._C.DisableTorchFunction():
             if where == "pre":
                 return self._enter(name, module, positional(pairs), {}, pairs, compiled=True)
@@ -242,13 +315,45 @@ class GraphTaps:
             outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
             return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
 
+    def _tap_forwards(self) -> set[str]:
+        """A ``forward_tap`` in place of each module's forward, for the trace (``_untap``);
+        returns the modules that have one."""
+        done = set()
+        for module, name in self.names.items():
+            fn = forward_tap(self._tap_id, name, self.root_output_grads, module)
+            if fn is not None:
+                module.forward = fn
+                done.add(name)
+        return done
+
+    def _untap(self) -> None:
+        """The tracer's number unregistered, each module's own forward back."""
+        unregister(self._tap_id)
+        self._tap_id = None
+        for module in self.names:
+            uninstall(module)
+
     def _on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
-        if call < 0 or self._paused or not self._active or not self._selected(name) \
-                or not self._capturing("backward"):
+        if call < 0 or self._paused or not self._active or not self._capturing("backward"):
             return
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            self._capture(name, "backward", call, slot, grad.detach(),
-                          extra=self._tap_ctx.get((name, call)))
+            if self._selected(name):
+                self._capture(name, "backward", call, slot, grad.detach(),
+                              extra=self._tap_ctx.get((name, call)))
+            for owner, ocall, oslot, ctx in self._grad_aliases.pop((name, call, slot), ()):
+                self._capture(owner, "backward", ocall, oslot, grad.detach(), extra=ctx)
+
+    def _alias_grad(self, name: str, call: int, slot: str, t: torch.Tensor, ctx: Any) -> bool:
+        """Whether the gradient of ``t``, an output of this call made by a compiled region, comes
+        from a ``forward_tap`` of a call inside it that returned the same tensor (a model's
+        logits, its classifier's output, where the model's own forward ran eagerly): the hook in
+        that graph sees its whole gradient, and hands it to this call too."""
+        made = self._tapped_tensors.get(_where(t))
+        node = type(t.grad_fn).__name__ if t.grad_fn is not None else None
+        if made is None or made[3]() is None or node != "CompiledFunctionBackward":
+            return False  # not the very values the tap saw (freed since, or a view of them)
+        self._grad_aliases.setdefault(made[:3], []).append((name, call, slot, ctx))
+        return True
 
     def _audit_deferred(self) -> None:
         """The BatchNorm audit of calls inside a compiled graph: their buffers are written back

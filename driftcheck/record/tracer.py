@@ -170,21 +170,19 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
     def attach(self) -> "Tracer":
         self._tap_id = tid = taps.register(self)
         self._by_name = {name: module for module, name in self.names.items()}
+        tapped = self._tap_forwards() if self.compiled else set()  # their forwards hook outputs
         for module, name in self.names.items():
             # Each hook is graph code where Dynamo traces it (record/taps.py), eager otherwise.
             self._handles.append(module.register_forward_pre_hook(taps.either(
                 own_work(self._make_pre_hook(name)),
                 functools.partial(taps.pre, tid, name), post=False, around=self.compiled),
                 with_kwargs=True))
+            outputs = (bool(name) or self.root_output_grads) and name not in tapped
             self._handles.append(module.register_forward_hook(taps.either(
-                own_work(self._make_post_hook(name)),
-                functools.partial(taps.post, tid, name, self.root_output_grads), post=True,
-                around=self.compiled),
-                with_kwargs=True))
-        if self.compiled:
-            # Dynamo does not guard on module hooks: code compiled before they were added
-            # would run without them, and code compiled with them would outlive the trace.
-            torch._dynamo.reset()
+                own_work(self._make_post_hook(name)), functools.partial(taps.post, tid, name, outputs),
+                post=True, around=self.compiled), with_kwargs=True))
+        if self.compiled:  # Dynamo does not guard on hooks: code compiled before they were added
+            torch._dynamo.reset()  # would run without them, and code compiled with them outlive them
         for _, (mod, leaf, p) in self.param_owner.items():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(own_work(self._grad_hook)))
@@ -212,8 +210,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         self._node_handles.clear()
         self._active = False
         if getattr(self, "_tap_id", None) is not None:
-            taps.unregister(self._tap_id)
-            self._tap_id = None
+            self._untap()
             if taps.compiled(self.model) or self.compiled:
                 torch._dynamo.reset()  # the user's next compile is without the taps
 
@@ -228,7 +225,9 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
         # (module, call) -> what its code did, as the watch saw it (record/watch.py): |logit| max,
         # CTC frames, margin counts of its decisions and roundings, float tensors taken to the host
         self._logits, self._ctc, self._decisions, self._roundings, self._host_decisions = {}, {}, {}, {}, {}
-        self._tap_ctx: dict[tuple[str, int], dict[str, Any]] = {}  # a tapped call's backward meta
+        # a tapped call's backward meta; the output slots and tensors that forward_taps hooked;
+        # (module, call, slot) -> the enclosing calls' output gradients that are that gradient
+        self._tap_ctx, self._tapped_out, self._tapped_tensors, self._grad_aliases = {}, {}, {}, {}
         self._bn_deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
         self._call_inputs: dict[tuple[str, int], list[tuple[Any, ...]]] = {}
         self._start_seq: dict[tuple[str, int], int] = {}

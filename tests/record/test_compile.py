@@ -47,12 +47,15 @@ class Net(nn.Module):
 
 
 def _run(out: Path | None, backend: str | None, steps: int = 2, mode: str = "full",
-         breaks: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Two AdamW steps of Net, eager or compiled, traced into ``out`` or not; (losses, params)."""
+         breaks: bool = False, in_place: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two AdamW steps of Net, eager or compiled (whole, or ``in_place``: one block compiled by
+    ``module.compile()``), traced into ``out`` or not; (losses, params)."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    fwd = model if backend is None else torch.compile(model, backend=backend)
+    fwd = model if backend is None or in_place else torch.compile(model, backend=backend)
+    if in_place:
+        model.blocks[1].compile(backend=backend)
     if breaks:  # the model's own graph break (a print-like call in its forward)
         inner = model.forward
         model.forward = lambda x: (torch._dynamo.graph_break(), inner(x))[1]
@@ -97,14 +100,24 @@ def test_a_compiled_model_is_traced_under_its_own_module_paths(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_traced_compiled_training_is_bitwise_the_untraced(tmp_path: Path, backend: str) -> None:
-    plain = _run(None, backend)
-    traced = _run(tmp_path / "t", backend)
+@pytest.mark.parametrize("how", ["whole", "breaks", "in_place"])
+def test_traced_compiled_training_is_bitwise_the_untraced(tmp_path: Path, backend: str, how: str) -> None:
+    """Compiled whole, whole with a graph break of the model's own (the modules after it run
+    as frames of their own, each module's forward a forward_tap), or one block compiled in
+    place: the traced steps' losses, parameters and buffers are the untraced ones, bitwise."""
+    kw = {"breaks": how == "breaks", "in_place": how == "in_place"}
+    plain = _run(None, backend, **kw)
+    traced = _run(tmp_path / "t", backend, **kw)
     for a, b in zip(plain[0] + plain[1], traced[0] + traced[1]):
         assert torch.equal(a, b)
-    stats = _run(tmp_path / "s", backend, mode="stats")
+    stats = _run(tmp_path / "s", backend, mode="stats", **kw)
     for a, b in zip(plain[0] + plain[1], stats[0] + stats[1]):
         assert torch.equal(a, b)
+    reader = TraceReader(tmp_path / "t")
+    assert not [f for f in reader.manifest["findings"]
+                if f["kind"].startswith("compile.") and f["severity"] == "error"]
+    if how == "in_place":  # the compiled block's output gradient, hooked in its graph
+        assert any(e["key"] == "0/backward/blocks.1/0/grad_output" for e in reader.entries)
 
 
 def test_the_capture_breaking_the_graph_is_an_error_finding(tmp_path: Path,
@@ -231,16 +244,20 @@ class WithLoss(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize("hooks_in_graph", ["inline_hooks", "forward_tap", "neither"])
 def test_an_output_the_graph_consumes_itself_keeps_its_gradient(tmp_path: Path, monkeypatch,
-                                                                inline: bool) -> None:
+                                                                hooks_in_graph: str) -> None:
     """The gradient of logits that the model's own loss consumes is computed inside the compiled
-    backward: the root's hooks must be in the graph to see it (``inline_hooks``); left around the
-    graph, as Dynamo calls a user model's hooks by default, they miss it."""
-    from driftcheck.record import compilation
+    backward: the root's output hook must be in the graph to see it, either because the root's
+    hooks are traced (``inline_hooks``) or because its forward is a ``forward_tap``, whose
+    output hooks are graph code. Left around the graph, as Dynamo calls a user model's hooks by
+    default, the hook misses it: a gap."""
+    from driftcheck.record import compilation, taps
 
-    if not inline:
+    if hooks_in_graph != "inline_hooks":
         monkeypatch.setattr(compilation, "inline_hooks", lambda m: m)
+    if hooks_in_graph == "neither":
+        monkeypatch.setattr(taps, "forward_tap", lambda *a: None)
 
     def run(out: Path, compiled: bool) -> TraceReader:
         torch.manual_seed(0)
@@ -257,15 +274,19 @@ def test_an_output_the_graph_consumes_itself_keeps_its_gradient(tmp_path: Path, 
         return TraceReader(out)
 
     eager, compiled = run(tmp_path / "e", False), run(tmp_path / "c", True)
-    assert any(e["slot"] == "grad_output.logits" and e["module"] == "" for e in eager.entries)
+    key = "0/backward/./0/grad_output.logits"
+    assert any(e["key"] == key for e in eager.entries)
     same = {e["key"] for e in compiled.entries} == {e["key"] for e in eager.entries}
-    assert same is inline
+    assert same is (hooks_in_graph != "neither")
+    if same:
+        ref, got = (r.tensor(next(e for e in r.entries if e["key"] == key)) for r in (eager, compiled))
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
     # A gradient the compiled capture did not get is a gap, said as a warning, not a failure
     # of the gate; every value both sides hold is still judged.
     report = compare(str(tmp_path / "e"), str(tmp_path / "c"))
     kinds = {f.kind for f in report.findings}
     assert "alignment.missing_in_target" not in kinds
-    assert ("compile.capture_gap" in kinds) is not inline
+    assert ("compile.capture_gap" in kinds) is (hooks_in_graph == "neither")
     assert report.verdict == "pass"
 
 
@@ -310,11 +331,18 @@ class _UsesBoth(nn.Module):
         return self.head(p) + 0.5 * h.sum(-1, keepdim=True)  # h used outside the backbone too
 
 
-def test_a_submodule_compiled_in_place_is_no_false_failure(tmp_path):
-    """``backbone.compile()``: its hooks run around its compiled forward, where a hook on its
-    output would see only the gradient from the parent's use, not the pooler's inside (a false
-    failure against the eager reference). Its output gradients are capture gaps, every other
-    entry is judged (the backbone's inner modules, captured in the graph, hold the same tensors)."""
+@pytest.mark.parametrize("forward_tap", [True, False])
+def test_a_submodule_compiled_in_place_is_no_false_failure(tmp_path, monkeypatch, forward_tap):
+    """``backbone.compile()``: Dynamo runs its hooks around its compiled forward, where a hook on
+    its output would see only the gradient from the parent's use, not the pooler's inside (a
+    false failure against the eager reference: 0.27 apart). Its forward_tap hooks the outputs in
+    the graph: every entry is there and judged, the output gradients equal the eager ones. Without
+    it (a forward with no code of its own) they are capture gaps, never a hook's partial sum."""
+    from driftcheck.record import taps
+
+    if not forward_tap:
+        monkeypatch.setattr(taps, "forward_tap", lambda *a: None)
+
     def run(out: Path, compiled: bool) -> Path:
         torch.manual_seed(0)
         model, x = _UsesBoth(), torch.randn(4, 8)
@@ -326,18 +354,58 @@ def test_a_submodule_compiled_in_place_is_no_false_failure(tmp_path):
             loss.backward()
             opt.step()
             t.step(loss)
+        assert "forward" not in model.backbone.__dict__  # the module's own forward again
         return out
 
     ref, tgt = run(tmp_path / "ref", False), run(tmp_path / "tgt", True)
+    torch._dynamo.reset()
     rep = compare(str(ref), str(tgt))
     assert rep.verdict == "pass"
+    outs = ["0/backward/backbone/0/grad_output.0", "0/backward/backbone/0/grad_output.1"]
     gaps = [f for f in rep.findings if f.kind == "compile.capture_gap"]
     assert [(f.module, sorted(f.details["keys"])) for f in gaps] == \
-        [("backbone", ["0/backward/backbone/0/grad_output.0", "0/backward/backbone/0/grad_output.1"])]
+        ([] if forward_tap else [("backbone", outs)])
+    assert not [f for f in rep.findings if f.severity == "error"]
     r, t = TraceReader(ref), TraceReader(tgt)
     theirs = {e["key"]: e for e in t.manifest["entries"]}
     judged = [e for e in r.manifest["entries"] if e["key"] in theirs]
-    assert len(judged) == len(r.manifest["entries"]) - 2
-    for inner in ("body", "pool"):  # the same tensors as the two outputs, tapped in the graph
-        key = f"0/backward/backbone.{inner}/0/grad_output"
-        assert torch.equal(r.tensor(next(e for e in judged if e["key"] == key)), t.tensor(theirs[key]))
+    assert len(judged) == len(r.manifest["entries"]) - (0 if forward_tap else 2)
+    inner = ["0/backward/backbone.body/0/grad_output", "0/backward/backbone.pool/0/grad_output"]
+    for key in inner + (outs if forward_tap else []):  # the inner ones tapped in the graph too
+        mine = next(e for e in judged if e["key"] == key)
+        torch.testing.assert_close(t.tensor(theirs[key]), r.tensor(mine), rtol=1e-6, atol=1e-7)
+
+
+class _ReturnsBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = _Backbone()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backbone(x)  # the compiled submodule's outputs, as they are
+
+
+def test_an_eager_parent_returning_a_compiled_modules_outputs_gets_their_whole_gradient(tmp_path):
+    """The root runs eagerly and returns what ``backbone.compile()``'s graph made (a Hugging Face
+    model's logits where its forward is not traced): an eager hook on them would miss the use
+    inside the graph; their gradient is the one the backbone's forward_tap hooked in the graph."""
+    def run(out: Path, compiled: bool) -> TraceReader:
+        torch.manual_seed(0)
+        model, x = _ReturnsBackbone(), torch.randn(4, 8)
+        if compiled:
+            model.backbone.compile(backend="aot_eager")
+        with driftcheck.trace(model, out, mode="full") as t:
+            h, p = model(x)
+            loss = h.pow(2).mean() + p.sum()
+            loss.backward()
+            t.step(loss)
+        return TraceReader(out)
+
+    ref, tgt = run(tmp_path / "ref", False), run(tmp_path / "tgt", True)
+    torch._dynamo.reset()
+    assert {e["key"] for e in tgt.entries} == {e["key"] for e in ref.entries}
+    for slot in ("grad_output.0", "grad_output.1"):
+        key = f"0/backward/./0/{slot}"
+        mine, theirs = (r.tensor(next(e for e in r.entries if e["key"] == key)) for r in (ref, tgt))
+        torch.testing.assert_close(theirs, mine, rtol=1e-6, atol=1e-7)
+    assert compare(str(tmp_path / "ref"), str(tmp_path / "tgt")).verdict == "pass"
