@@ -179,7 +179,7 @@ def post(tid: int, name: str, hook_outputs: bool, module: nn.Module, args: tuple
          output: Any) -> None:
     """The post-hook as graph code: tap the inputs (a floor's magnitudes read them) and the
     outputs; hook each output that needs a gradient where ``hook_outputs`` (not the root's
-    where the loop's outputs are not the loss's, nor a module whose ``forward_tap`` does)."""
+    where the loop's outputs are not the loss's)."""
     inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
     outputs = list(flatten(output, "output"))
     pairs = inputs + outputs
@@ -221,23 +221,41 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
     inbuilt = type(module).__module__.startswith(("torch.nn.", "torch.ao."))
     if not inbuilt and torch._dynamo.trace_rules.check(code):
         return None  # skipped as a frame (torch's own code, a disabled forward): left as it is
+    before = module.__dict__.get("forward", _MISSING)
+    if before is _MISSING:
+        # The class's forward, bound to the module: a deep copy of the module (an EMA model)
+        # gets a forward_tap bound to itself, never a call of this module's forward.
+        wrapped = type(module).forward
 
-    def tap_forward(*args: Any, **kwargs: Any) -> Any:
-        output = forward(*args, **kwargs)
-        if torch.compiler.is_compiling() and (name or root_grads):
-            outputs = [(s, t) for s, t in flatten(output, "output") if _wants_grad(t)]
-            if outputs:
-                call = torch.ops.driftcheck.tap([t for _, t in outputs], tid, name, "out",
-                                                _SEP.join(s for s, _ in outputs))
-                _hook_outputs(tid, name, outputs, call)
-        return output
+        def tap_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            output = wrapped(self, *args, **kwargs)
+            _tap_outputs(tid, name, root_grads, output)
+            return output
+    else:  # a forward the module was given (a hook library's): called as it is
+        wrapped = before
+
+        def tap_forward(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            output = before(*args, **kwargs)
+            _tap_outputs(tid, name, root_grads, output)
+            return output
 
     own = tap_forward.__code__.replace(co_name=f"{FORWARD_FRAME}{next(_IDS)}")
     fn = types.FunctionType(own, tap_forward.__globals__, own.co_name, None, tap_forward.__closure__)
-    fn = functools.update_wrapper(fn, forward)  # its signature is the forward's (Trainer reads it)
+    fn = functools.update_wrapper(fn, wrapped)  # its signature is the forward's (Trainer reads it)
     fn.__name__ = own.co_name
-    fn._driftcheck_replaces = module.__dict__.get("forward", _MISSING)
-    return fn
+    fn._driftcheck_replaces = before
+    return types.MethodType(fn, module) if before is _MISSING else fn
+
+
+def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any) -> None:
+    """A forward_tap's graph code: tap the outputs that need a gradient (the tap numbers the
+    call the module's pre-hook opened) and hook them in the graph."""
+    if torch.compiler.is_compiling() and (name or root_grads):
+        outputs = [(s, t) for s, t in flatten(output, "output") if _wants_grad(t)]
+        if outputs:
+            call = torch.ops.driftcheck.tap([t for _, t in outputs], tid, name, "out",
+                                            _SEP.join(s for s, _ in outputs))
+            _hook_outputs(tid, name, outputs, call)
 
 
 def _where(t: torch.Tensor) -> tuple:
@@ -300,9 +318,13 @@ class GraphTaps:
             return -1
         pairs = list(zip(slots, tensors))
         module = self._by_name[name]
-        if where == "out":  # the outputs of the call open on top (record/taps.py: forward_tap)
+        if where == "out":  # a forward_tap's outputs: of the call open on top of the stack
             top = self._stack[-1] if self._stack else None
-            if top is None or top[0] != name or not self._selected(name):
+            if top is None or top[0] != name or top not in self._span_start \
+                    or not self._selected(name):
+                # Not a call an eager pre-hook opened (with its autograd span: _enter): its
+                # post-hook is traced and hooks the outputs itself. Or the graph ran this tap
+                # past a tap of a call inside (inductor may move ordered ops): none is taken.
                 return -1
             self._tapped_out[top] = set(slots)
             for slot, t in pairs:  # an enclosing call that returns it as it is: _alias_grad
@@ -315,16 +337,12 @@ class GraphTaps:
             outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
             return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
 
-    def _tap_forwards(self) -> set[str]:
-        """A ``forward_tap`` in place of each module's forward, for the trace (``_untap``);
-        returns the modules that have one."""
-        done = set()
+    def _tap_forwards(self) -> None:
+        """A ``forward_tap`` in place of each module's forward, for the trace (``_untap``)."""
         for module, name in self.names.items():
             fn = forward_tap(self._tap_id, name, self.root_output_grads, module)
             if fn is not None:
                 module.forward = fn
-                done.add(name)
-        return done
 
     def _untap(self) -> None:
         """The tracer's number unregistered, each module's own forward back."""

@@ -170,16 +170,17 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
     def attach(self) -> "Tracer":
         self._tap_id = tid = taps.register(self)
         self._by_name = {name: module for module, name in self.names.items()}
-        tapped = self._tap_forwards() if self.compiled else set()  # their forwards hook outputs
+        if self.compiled:
+            self._tap_forwards()  # each module's forward hooks its outputs in the graph
         for module, name in self.names.items():
             # Each hook is graph code where Dynamo traces it (record/taps.py), eager otherwise.
             self._handles.append(module.register_forward_pre_hook(taps.either(
                 own_work(self._make_pre_hook(name)),
                 functools.partial(taps.pre, tid, name), post=False, around=self.compiled),
                 with_kwargs=True))
-            outputs = (bool(name) or self.root_output_grads) and name not in tapped
             self._handles.append(module.register_forward_hook(taps.either(
-                own_work(self._make_post_hook(name)), functools.partial(taps.post, tid, name, outputs),
+                own_work(self._make_post_hook(name)),
+                functools.partial(taps.post, tid, name, bool(name) or self.root_output_grads),
                 post=True, around=self.compiled), with_kwargs=True))
         if self.compiled:  # Dynamo does not guard on hooks: code compiled before they were added
             torch._dynamo.reset()  # would run without them, and code compiled with them outlive them

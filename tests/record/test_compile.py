@@ -81,9 +81,10 @@ def _run(out: Path | None, backend: str | None, steps: int = 2, mode: str = "ful
         [b.detach().clone() for b in model.buffers()]
 
 
-def test_a_compiled_model_is_traced_under_its_own_module_paths(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_model_is_traced_under_its_own_module_paths(tmp_path: Path, backend: str) -> None:
     _run(tmp_path / "eager", None)
-    _run(tmp_path / "compiled", "aot_eager")
+    _run(tmp_path / "compiled", backend)
     eager, compiled = TraceReader(tmp_path / "eager"), TraceReader(tmp_path / "compiled")
     keys = {e["key"] for e in compiled.entries}
     assert keys == {e["key"] for e in eager.entries}  # every activation and gradient, as eager
@@ -193,11 +194,13 @@ def test_record_compiles_a_scenario_and_replays_into_a_compiled_build(tmp_path: 
     ref = tmp_path / "ref"
     assert run_cli(["record", "mlp", "--out", ref], capsys)[0] == 0
     assert run_cli(["record", f"{scen}:build", "--out", tmp_path / "user", "--replay", ref], capsys)[0] == 0
-    assert run_cli(["record", "mlp", "--out", tmp_path / "cli", "--replay", ref, "--compile",
-                    "aot_eager"], capsys)[0] == 0
+    assert run_cli(["record", "mlp", "--out", tmp_path / "cli", "--replay", ref, "--compile"],
+                   capsys)[0] == 0  # inductor, which may move the taps' ordered ops
+    keys = {e["key"] for e in TraceReader(ref).entries}
     for side in ("user", "cli"):
         manifest = json.loads((tmp_path / side / "manifest.json").read_text())
         assert manifest["run"]["compile"]["graph_breaks"] == 0
+        assert {e["key"] for e in TraceReader(tmp_path / side).entries} == keys  # no gap
         code, out, _ = run_cli(["compare", ref, tmp_path / side], capsys)
         assert code == 0, out
 
@@ -409,3 +412,28 @@ def test_an_eager_parent_returning_a_compiled_modules_outputs_gets_their_whole_g
         mine, theirs = (r.tensor(next(e for e in r.entries if e["key"] == key)) for r in (ref, tgt))
         torch.testing.assert_close(theirs, mine, rtol=1e-6, atol=1e-7)
     assert compare(str(tmp_path / "ref"), str(tmp_path / "tgt")).verdict == "pass"
+
+
+def test_a_deep_copy_of_a_traced_compiled_model_computes_with_its_own_weights(tmp_path):
+    """An EMA model deep-copied inside the trace copies each module's forward_tap with it: bound
+    to the copy, it calls the copy's forward, never the traced module's; the signature a
+    Trainer reads off ``model.forward`` is the forward's own."""
+    import copy
+    import inspect
+
+    model = WithLoss()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    fwd = torch.compile(model, backend="aot_eager")
+    with driftcheck.trace(fwd, str(tmp_path / "t"), force=True) as t:
+        assert "forward" in model.__dict__ and "forward" in model.head.__dict__
+        assert list(inspect.signature(model.forward).parameters) == ["x", "labels"]
+        ema = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in ema.parameters():
+                p.zero_()
+        assert torch.equal(ema(x, y)["logits"], torch.zeros(4, 5))
+        loss = fwd(x, y)["loss"]
+        loss.backward()
+        t.step(loss)
+    torch._dynamo.reset()
+    assert "forward" not in model.__dict__ and "forward" not in model.head.__dict__
