@@ -113,21 +113,22 @@ def either(eager: Callable, compiled: Callable, post: bool, around: bool = True)
     return tap_post_hook if post else tap_pre_hook
 
 
-def _run_eagerly_as_frames() -> None:
+def _run_eagerly_as_frames(*codes: Any) -> None:
     """Called as a frame of its own (a module called between the model's own graph breaks, or
     a compiled model's hooks around its graph) a hook runs eagerly, never compiled: each
     module's hook is a closure of its own, so compiling them as frames would recompile the same
-    code once per module. Inlined into a frame Dynamo traces, the hook is still traced."""
+    code once per module. Inlined into a frame Dynamo traces, the hook is still traced. The
+    same for ``codes`` (graph code that does nothing outside a graph)."""
     skip = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
     if skip is None:
         return
-    for fn in (either(lambda *a: None, lambda *a: None, False, False),
-               either(lambda *a: None, lambda *a: None, True, False)):
-        skip(fn.__code__)
+    for code in codes:
+        skip(code)
 
 
 AROUND_GRAPH = ("tap_pre_hook", "tap_post_hook")  # hook frames, never a break of the model's
-_run_eagerly_as_frames()
+_run_eagerly_as_frames(either(lambda *a: None, lambda *a: None, False, False).__code__,
+                       either(lambda *a: None, lambda *a: None, True, False).__code__)
 
 
 def _wants_grad(t: Any) -> bool:
@@ -256,6 +257,9 @@ def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any) -> None:
             call = torch.ops.driftcheck.tap([t for _, t in outputs], tid, name, "out",
                                             _SEP.join(s for s, _ in outputs))
             _hook_outputs(tid, name, outputs, call)
+
+
+_run_eagerly_as_frames(_tap_outputs.__code__)  # from a forward tap run eagerly: not compiled
 
 
 def _where(t: torch.Tensor) -> tuple:
