@@ -437,3 +437,37 @@ def test_a_deep_copy_of_a_traced_compiled_model_computes_with_its_own_weights(tm
         t.step(loss)
     torch._dynamo.reset()
     assert "forward" not in model.__dict__ and "forward" not in model.head.__dict__
+
+
+def test_a_forward_dynamo_skips_runs_its_tap_eagerly(tmp_path, monkeypatch):
+    """Dynamo gives up on a model's forward (as on Hugging Face ResNet's) and runs it eagerly,
+    compiling what it calls as frames of their own: the skipped forward tap's graph code then runs
+    eagerly too, never as a frame the capture compiles (that was a compile.graph_break error);
+    every entry but the root's output gradients (made by compiled frames: gaps) is taken."""
+    from driftcheck.record import compilation
+
+    monkeypatch.setattr(compilation, "inline_hooks", lambda m: m)  # the root's hooks stay eager
+
+    def run(out: Path, compiled: bool) -> TraceReader:
+        torch.manual_seed(0)
+        model = WithLoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fwd = torch.compile(model, backend="aot_eager") if compiled else model
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+        with driftcheck.trace(fwd, str(out), optimizer=opt, force=True) as t:
+            if compiled:  # the forward tap's frame skipped, as Dynamo skips one it cannot trace
+                torch._dynamo.eval_frame.skip_code(model.forward.__func__.__code__)
+            loss = fwd(x, y)["loss"]
+            loss.backward()
+            opt.step()
+            t.step(loss)
+        torch._dynamo.reset()
+        return TraceReader(out)
+
+    eager, compiled = run(tmp_path / "e", False), run(tmp_path / "c", True)
+    assert not [f for f in compiled.manifest["findings"] if f["kind"].startswith("compile.")
+                and f["severity"] == "error"]
+    missing = {e["key"] for e in eager.entries} - {e["key"] for e in compiled.entries}
+    assert missing <= {"0/backward/./0/grad_output.loss", "0/backward/./0/grad_output.logits"}
+    assert {e["key"] for e in compiled.entries} <= {e["key"] for e in eager.entries}
+    assert compare(str(tmp_path / "e"), str(tmp_path / "c")).verdict == "pass"
