@@ -198,7 +198,8 @@ def _hook_outputs(tid: int, name: str, outputs: list[tuple[str, Any]], call: tor
 
 
 # -- a module's forward compiled as a frame of its own ------------------------------------------
-FORWARD_FRAME, _MISSING = "tap_forward_", object()  # each forward_tap's code name (and number)
+FORWARD_FRAME = "tap_forward_"  # the code name of each forward_tap (one code object per module)
+_MISSING = object()
 
 
 def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Callable | None:
@@ -209,16 +210,15 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
     Dynamo runs a module's hooks eagerly around its ``forward`` where it compiles the forward
     as a frame of its own (``module.compile()``; a module called from a frame Dynamo skipped),
     and an eager hook on an output sees only the gradient from outside the compiled code, not
-    the share of a use inside it. In place of ``forward`` (``GraphTaps._tap_forwards``), this is
-    that frame: its output hooks are traced into the graph and get the whole gradient. Each
-    module gets a code object of its own: two modules' frames are two compiles, not recompiles
-    of one code. Its output tap numbers the call the eager pre-hook opened (``_on_tap``)."""
+    the share of a use inside it. Called in place of ``forward`` (``GraphTaps._tap_forwards``), this is
+    that frame: its output hooks are traced into the graph and get the whole gradient, as where
+    Dynamo inlines the module's hooks. Each module gets a code object of its own, so the frames
+    of two modules are two compiles, not recompilations of one code. Its output tap numbers
+    the call the module's pre-hook opened (``GraphTaps._on_tap``), eager or traced alike."""
     forward = module.forward
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     if code is None:
         return None
-    if torch.nn.utils.parametrize.is_parametrized(module):  # HF wav2vec2's weight-normed conv:
-        return None  # 64x its bf16 floor with a forward tap, traced != untraced (docs/compile.md)
     inbuilt = type(module).__module__.startswith(("torch.nn.", "torch.ao."))
     if not inbuilt and torch._dynamo.trace_rules.check(code):
         return None  # skipped as a frame (torch's own code, a disabled forward): left as it is
