@@ -247,6 +247,26 @@ class WithLoss(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
+def _run_with_loss(out: Path, compiled: bool, skip_root: bool = False) -> TraceReader:
+    """One SGD step of WithLoss, eager or under ``torch.compile`` (aot_eager), traced into ``out``;
+    ``skip_root``: the root's forward tap is skipped as a frame, as Dynamo skips a forward it
+    cannot trace (Hugging Face ResNet's)."""
+    torch.manual_seed(0)
+    model = WithLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fwd = torch.compile(model, backend="aot_eager") if compiled else model
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    with driftcheck.trace(fwd, str(out), optimizer=opt, force=True) as t:
+        if skip_root:
+            torch._dynamo.eval_frame.skip_code(model.forward.__func__.__code__)
+        loss = fwd(x, y)["loss"]
+        loss.backward()
+        opt.step()
+        t.step(loss)
+    torch._dynamo.reset()
+    return TraceReader(out)
+
+
 @pytest.mark.parametrize("hooks_in_graph", ["inline_hooks", "forward_tap", "neither"])
 def test_an_output_the_graph_consumes_itself_keeps_its_gradient(tmp_path: Path, monkeypatch,
                                                                 hooks_in_graph: str) -> None:
@@ -262,21 +282,7 @@ def test_an_output_the_graph_consumes_itself_keeps_its_gradient(tmp_path: Path, 
     if hooks_in_graph == "neither":
         monkeypatch.setattr(taps, "forward_tap", lambda *a: None)
 
-    def run(out: Path, compiled: bool) -> TraceReader:
-        torch.manual_seed(0)
-        model = WithLoss()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        fwd = torch.compile(model, backend="aot_eager") if compiled else model
-        x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
-        with driftcheck.trace(fwd, str(out), optimizer=opt, force=True) as t:
-            loss = fwd(x, y)["loss"]
-            loss.backward()
-            opt.step()
-            t.step(loss)
-        torch._dynamo.reset()
-        return TraceReader(out)
-
-    eager, compiled = run(tmp_path / "e", False), run(tmp_path / "c", True)
+    eager, compiled = _run_with_loss(tmp_path / "e", False), _run_with_loss(tmp_path / "c", True)
     key = "0/backward/./0/grad_output.logits"
     assert any(e["key"] == key for e in eager.entries)
     same = {e["key"] for e in compiled.entries} == {e["key"] for e in eager.entries}
@@ -448,23 +454,8 @@ def test_a_forward_dynamo_skips_runs_its_tap_eagerly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(compilation, "inline_hooks", lambda m: m)  # the root's hooks stay eager
 
-    def run(out: Path, compiled: bool) -> TraceReader:
-        torch.manual_seed(0)
-        model = WithLoss()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        fwd = torch.compile(model, backend="aot_eager") if compiled else model
-        x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
-        with driftcheck.trace(fwd, str(out), optimizer=opt, force=True) as t:
-            if compiled:  # the forward tap's frame skipped, as Dynamo skips one it cannot trace
-                torch._dynamo.eval_frame.skip_code(model.forward.__func__.__code__)
-            loss = fwd(x, y)["loss"]
-            loss.backward()
-            opt.step()
-            t.step(loss)
-        torch._dynamo.reset()
-        return TraceReader(out)
-
-    eager, compiled = run(tmp_path / "e", False), run(tmp_path / "c", True)
+    eager = _run_with_loss(tmp_path / "e", False)
+    compiled = _run_with_loss(tmp_path / "c", True, skip_root=True)
     assert not [f for f in compiled.manifest["findings"] if f["kind"].startswith("compile.")
                 and f["severity"] == "error"]
     missing = {e["key"] for e in eager.entries} - {e["key"] for e in compiled.entries}
