@@ -23,6 +23,20 @@ class Findings:
             if k not in ref_map:
                 extra[e.module].append(e)
         compiled = bool(self.ref.run.get("compile") or self.tgt.run.get("compile"))
+        calls = [{(e.step, e.module, e.call) for e in m.values() if e.phase == "forward"}
+                 for m in (ref_map, tgt_map)]
+        for side, gaps, other in (("target", missing, calls[1]), ("reference", extra, calls[0])):
+            for mod in [m for m, es in gaps.items() if compiled and _inputs_of(es, other)]:
+                es = gaps.pop(mod)
+                self.findings.append(Finding(
+                    "compile.input_gap", mod, es[0].step,
+                    f"{len(es)} input(s) of calls both runs made exist only on the "
+                    f"{'reference' if side == 'target' else 'target'} (e.g. {es[0].key}): "
+                    "compiled code may pass a tensor where eager code passes None (Hugging Face "
+                    "models build their attention mask while Dynamo traces); not judged, the "
+                    "call's outputs are", phase=es[0].phase, key=es[0].key, severity="warning",
+                    details={"count": len(es), "keys": [x.key for x in es[:10]],
+                             "missing_on": side}))
         for side, gaps in (("target", missing), ("reference", extra)):
             for mod in [m for m, es in gaps.items() if compiled and _gradients_only(es)]:
                 es = gaps.pop(mod)
@@ -153,6 +167,12 @@ def _view_tolerance(c: Any) -> Callable[[dict[str, Any], dict[str, Any]], float]
     def tolerance(r: dict[str, Any], t: dict[str, Any]) -> float:
         return min(base + 2.0 * drift.get(r.get("step"), 0.0), max(base, VIEW_TOLERANCE_CAP))
     return tolerance
+
+
+def _inputs_of(entries: list, calls: set) -> bool:
+    """Only forward inputs of module calls that the other run made too."""
+    return all(e.phase == "forward" and e.slot.startswith("input") and (e.step, e.module, e.call)
+               in calls for e in entries)
 
 
 def _gradients_only(entries: list) -> bool:

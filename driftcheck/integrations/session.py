@@ -32,6 +32,7 @@ from driftcheck import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
 from driftcheck.record import ranks
+from driftcheck.record import compilation
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
@@ -123,6 +124,9 @@ class TraceSession:
                              steps=self.capture, seed=self.seed, **self.tracer_kwargs)
         self.tracer.attach()
         self.tracer.pause()
+        # A compiled model (torch.compile by the loop, Trainer's torch_compile): Dynamo's account
+        # of the run for the manifest's run.compile, and the capture's own breaks as findings.
+        self._account = compilation.Account().start() if self.tracer.compiled else None
 
     def step_begin(self) -> None:
         if self.done or self.tracer is None or self._in_step:
@@ -211,6 +215,8 @@ class TraceSession:
         self._close_ctx()
         if self.tracer is not None:
             self.tracer.detach()
+        if getattr(self, "_account", None) is not None:
+            self._account.stop()
         if self.writer is not None and not self.writer.closed:
             self.writer.abort(reason)
         self.done = True
@@ -250,6 +256,10 @@ class TraceSession:
             replay_id=self.replay_id, replay_of=str(self.replay) if self.replay else None,
             driver=self.driver, capture_steps=sorted(self.capture or ()), **self.rank,
             **({"grad_clip": self.grad_clip} if self.grad_clip else {}))
+        if getattr(self, "_account", None) is not None:
+            counts, found = self._account.result()
+            run["compile"] = dict(backend="user", mode=None, dynamic=None, **counts)
+            tracer.findings.extend(found)
         if not writer.entries:
             writer.abort("nothing captured")
             raise DriftcheckError("the driftcheck callback captured no tensor: its include/exclude/"

@@ -77,11 +77,16 @@ class DriftcheckCallback(SessionCallback, TrainerCallback):
         self.session.model_id = _model_id(model)
         clip = float(getattr(args, "max_grad_norm", 0) or 0)
         self.session.grad_clip = {"norm": clip} if clip > 0 else None
+        if getattr(args, "torch_compile", False):  # accelerate compiles the model it prepares
+            self.session.tracer_kwargs["compiled"] = True
         self.session.start(model, _torch_optimizer(optimizer))
         root = self.session.model
+        # Eager code around a compiled model's graph (accelerate's torch.compile): never a frame
+        # Dynamo compiles (the session's state would be guards, each step a recompilation).
         self._handles = [
-            root.register_forward_pre_hook(self._on_call, with_kwargs=True, prepend=True),
-            root.register_forward_hook(self._on_output, with_kwargs=True),
+            root.register_forward_pre_hook(torch._dynamo.disable(self._on_call), with_kwargs=True,
+                                           prepend=True),
+            root.register_forward_hook(torch._dynamo.disable(self._on_output), with_kwargs=True),
         ]
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

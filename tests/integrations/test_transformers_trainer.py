@@ -18,7 +18,7 @@ FAULTY = "model.layers.1.mlp"
 
 
 def _train(tmp, out, *, replay=None, bf16=False, accumulation=2, seed=0, fault=None, steps=2,
-           callback=True, max_steps=3, **kw):
+           callback=True, max_steps=3, compile_backend=None, **kw):
     """A Trainer run; the target is built from another seed and another data order, so only the
     replay can make it start where the reference started."""
     torch.manual_seed(seed)
@@ -34,7 +34,8 @@ def _train(tmp, out, *, replay=None, bf16=False, accumulation=2, seed=0, fault=N
                              per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
                              learning_rate=1e-3, report_to=[], use_cpu=True, bf16=bf16,
                              save_strategy="no", disable_tqdm=True, logging_strategy="no",
-                             data_seed=seed, seed=seed)
+                             data_seed=seed, seed=seed, torch_compile=compile_backend is not None,
+                             **({"torch_compile_backend": compile_backend} if compile_backend else {}))
     cb = DriftcheckCallback(tmp / out, steps=steps, replay=replay, force=True, **kw) if callback else None
     Trainer(model=model, args=args, train_dataset=data, callbacks=[cb] if cb else None).train()
     return model, cb
@@ -141,3 +142,18 @@ def test_clipped_gradients_pass_their_clip_factors_error_to_the_optimizer_state(
         assert TraceReader(tmp_path / f"{name}-ref").run["grad_clip"] == {"norm": 1.0}
         rep = compare(tmp_path / f"{name}-ref", tmp_path / f"{name}-bf16")
         assert rep, f"{name}: {rep.decided_by}"
+
+
+def test_a_trainer_that_compiles_the_model_is_traced_as_compiled(ref, tmp_path):
+    """TrainingArguments(torch_compile=True): accelerate compiles the model; the callback's own
+    hooks around it run eagerly (no break or recompilation of the capture's), the run records
+    Dynamo's account, and the compiled target replaying the eager reference passes."""
+    _, path = ref
+    _train(tmp_path, "tgt", replay=path, seed=1, compile_backend="aot_eager")
+    torch._dynamo.reset()
+    r = TraceReader(tmp_path / "tgt")
+    assert r.run["compile"]["graph_breaks"] == 0 and r.run["compile"]["recompiles"] == 0
+    assert not [f for f in r.manifest["findings"] if f["kind"].startswith("compile.")]
+    report = compare(str(path), str(tmp_path / "tgt"))
+    assert not [f for f in report.findings if f.kind.startswith("alignment.")]
+    assert report.verdict == "pass", report.decided_by

@@ -462,3 +462,46 @@ def test_a_forward_dynamo_skips_runs_its_tap_eagerly(tmp_path, monkeypatch):
     assert missing <= {"0/backward/./0/grad_output.loss", "0/backward/./0/grad_output.logits"}
     assert {e["key"] for e in compiled.entries} <= {e["key"] for e in eager.entries}
     assert compare(str(tmp_path / "e"), str(tmp_path / "c")).verdict == "pass"
+
+
+class _MaskedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.lin(x)
+        return y if mask is None else y * mask
+
+
+class _BuildsAMaskWhenCompiled(nn.Module):
+    """As Hugging Face models do: a mask tensor built while Dynamo traces, None in eager mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = _MaskedHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[0], 4) if torch.compiler.is_compiling() else None
+        return self.head(x, mask=mask)
+
+
+def test_an_input_only_compiled_code_passes_is_an_input_gap_not_an_alignment_error(tmp_path):
+    def run(out: Path, compiled: bool) -> Path:
+        torch.manual_seed(0)
+        model = _BuildsAMaskWhenCompiled()
+        fwd = torch.compile(model, backend="aot_eager") if compiled else model
+        with driftcheck.trace(fwd, str(out), force=True) as t:
+            loss = fwd(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            t.step(loss)
+        torch._dynamo.reset()
+        return out
+
+    ref, tgt = run(tmp_path / "e", False), run(tmp_path / "c", True)
+    assert any(e["key"] == "0/forward/head/0/input.mask" for e in TraceReader(tgt).entries)
+    report = compare(str(ref), str(tgt))
+    gaps = [f for f in report.findings if f.kind == "compile.input_gap"]
+    assert [(f.module, f.details["keys"]) for f in gaps] == [("head", ["0/forward/head/0/input.mask"])]
+    assert not [f for f in report.findings if f.kind.startswith("alignment.")]
+    assert report.verdict == "pass"
