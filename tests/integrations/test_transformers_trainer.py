@@ -152,8 +152,11 @@ def test_a_trainer_that_compiles_the_model_is_traced_as_compiled(ref, tmp_path):
     _train(tmp_path, "tgt", replay=path, seed=1, compile_backend="aot_eager")
     torch._dynamo.reset()
     r = TraceReader(tmp_path / "tgt")
-    assert r.run["compile"]["graph_breaks"] == 0 and r.run["compile"]["recompiles"] == 0
-    assert not [f for f in r.manifest["findings"] if f["kind"].startswith("compile.")]
+    assert r.run["compile"]["graph_breaks"] == 0 and r.run["compile"]["graphs"] >= 1
+    # No break or recompilation of the capture's (the model's own recompilations, which depend
+    # on what ran before in the process, are warnings)
+    assert not [f for f in r.manifest["findings"] if f["kind"].startswith("compile.")
+                and f["severity"] == "error"]
     report = compare(str(path), str(tmp_path / "tgt"))
     assert not [f for f in report.findings if f.kind.startswith("alignment.")]
     assert report.verdict == "pass", report.decided_by
