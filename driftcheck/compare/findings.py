@@ -25,30 +25,26 @@ class Findings:
         compiled = bool(self.ref.run.get("compile") or self.tgt.run.get("compile"))
         calls = [{(e.step, e.module, e.call) for e in m.values() if e.phase == "forward"}
                  for m in (ref_map, tgt_map)]
-        for side, gaps, other in (("target", missing, calls[1]), ("reference", extra, calls[0])):
-            for mod in [m for m, es in gaps.items() if compiled and _inputs_of(es, other)]:
-                es = gaps.pop(mod)
-                self.findings.append(Finding(
-                    "compile.input_gap", mod, es[0].step,
-                    f"{len(es)} input(s) of calls both runs made exist only on the "
-                    f"{'reference' if side == 'target' else 'target'} (e.g. {es[0].key}): "
-                    "compiled code may pass a tensor where eager code passes None (Hugging Face "
-                    "models build their attention mask while Dynamo traces); not judged, the "
-                    "call's outputs are", phase=es[0].phase, key=es[0].key, severity="warning",
-                    details={"count": len(es), "keys": [x.key for x in es[:10]],
-                             "missing_on": side}))
-        for side, gaps in (("target", missing), ("reference", extra)):
-            for mod in [m for m, es in gaps.items() if compiled and _gradients_only(es)]:
-                es = gaps.pop(mod)
-                self.findings.append(Finding(
-                    "compile.capture_gap", mod, es[0].step,
-                    f"{len(es)} gradient tensor(s) of this module exist only on the "
-                    f"{'reference' if side == 'target' else 'target'} (e.g. {es[0].key}): a "
-                    "compiled run's capture did not get them (a gradient computed inside a "
-                    "compiled graph that no hook sees, docs/compile.md); not judged",
-                    phase=es[0].phase, key=es[0].key, severity="warning",
-                    details={"count": len(es), "keys": [x.key for x in es[:10]],
-                             "missing_on": side}))
+        # Entries one side of a compiled comparison holds and the other cannot: warnings, not
+        # judged. (kind, which entries, why)
+        rules = (("compile.input_gap", lambda es, other: _inputs_of(es, other),
+                  "input(s) of calls both runs made exist only on the {held}: compiled code may "
+                  "pass a tensor where eager code passes None (Hugging Face models build their "
+                  "attention mask while Dynamo traces); not judged, the call's outputs are"),
+                 ("compile.capture_gap", lambda es, other: _gradients_only(es),
+                  "gradient tensor(s) of this module exist only on the {held}: a compiled run's "
+                  "capture did not get them (a gradient computed inside a compiled graph that no "
+                  "hook sees, docs/compile.md); not judged"))
+        for kind, applies, why in rules if compiled else ():
+            for side, gaps, other in (("target", missing, calls[1]), ("reference", extra, calls[0])):
+                held = "reference" if side == "target" else "target"
+                for mod in [m for m, es in gaps.items() if applies(es, other)]:
+                    es = gaps.pop(mod)
+                    self.findings.append(Finding(
+                        kind, mod, es[0].step, f"{len(es)} " + why.format(held=held)
+                        + f" (e.g. {es[0].key})", phase=es[0].phase, key=es[0].key,
+                        severity="warning", details={"count": len(es), "keys": [x.key for x in es[:10]],
+                                                     "missing_on": side}))
         for mod, es in missing.items():
             self.findings.append(Finding(
                 "alignment.missing_in_target", mod, es[0].step,
