@@ -30,7 +30,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
 
 _SEP = "\n"  # slot names travel as one string (a custom op takes no list of strings)
@@ -38,7 +37,13 @@ _TRACERS: dict[int, Any] = {}  # tracer id -> the tracer (weakly: a dropped trac
 _IDS = itertools.count(1)
 
 
-@torch.library.custom_op("driftcheck::tap", mutates_args=())
+# Defined with torch.library directly, not ``torch.library.custom_op``: its Python autograd
+# layers cost ~10 us a call (~50 us where an input requires grad), paid ~10^2 times a step.
+_LIB = torch.library.Library("driftcheck", "FRAGMENT")
+_LIB.define("tap(Tensor[] tensors, int tracer, str module, str where, str slots) -> Tensor")
+_LIB.define("grad_tap(Tensor grad, Tensor call, int tracer, str module, str slot) -> ()")
+
+
 def tap(tensors: list[torch.Tensor], tracer: int, module: str, where: str, slots: str) -> torch.Tensor:
     """A module call's tensors, handed to the tracer when the compiled graph runs; returns the
     call's number (0-d int64) for its gradient taps."""
@@ -47,13 +52,6 @@ def tap(tensors: list[torch.Tensor], tracer: int, module: str, where: str, slots
     return torch.tensor(call, dtype=torch.int64)
 
 
-@tap.register_fake
-def _tap_fake(tensors: list[torch.Tensor], tracer: int, module: str, where: str,
-              slots: str) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op("driftcheck::grad_tap", mutates_args=())
 def grad_tap(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str, slot: str) -> None:
     """One gradient of a module call, handed to the tracer when the backward graph runs."""
     owner = _owner(tracer)
@@ -61,7 +59,17 @@ def grad_tap(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str, s
         owner._on_grad_tap(module, int(call), slot, grad)
 
 
-@grad_tap.register_fake
+_LIB.impl("tap", tap, "CompositeExplicitAutograd")
+_LIB.impl("grad_tap", grad_tap, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("driftcheck::tap", lib=_LIB)
+def _tap_fake(tensors: list[torch.Tensor], tracer: int, module: str, where: str,
+              slots: str) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("driftcheck::grad_tap", lib=_LIB)
 def _grad_tap_fake(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str,
                    slot: str) -> None:
     return None
@@ -223,6 +231,7 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
     if not inbuilt and torch._dynamo.trace_rules.check(code):
         return None  # skipped as a frame (torch's own code, a disabled forward): left as it is
     before = module.__dict__.get("forward", _MISSING)
+    frame = f"{FORWARD_FRAME}{next(_IDS)}"
     if before is _MISSING:
         # The class's forward, bound to the module: a deep copy of the module (an EMA model)
         # gets a forward_tap bound to itself, never a call of this module's forward.
@@ -230,17 +239,17 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
 
         def tap_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             output = wrapped(self, *args, **kwargs)
-            _tap_outputs(tid, name, root_grads, output)
+            _tap_outputs(tid, name, root_grads, output, frame)
             return output
     else:  # a forward the module was given (a hook library's): called as it is
         wrapped = before
 
         def tap_forward(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
             output = before(*args, **kwargs)
-            _tap_outputs(tid, name, root_grads, output)
+            _tap_outputs(tid, name, root_grads, output, frame)
             return output
 
-    own = tap_forward.__code__.replace(co_name=f"{FORWARD_FRAME}{next(_IDS)}")
+    own = tap_forward.__code__.replace(co_name=frame)
     fn = types.FunctionType(own, tap_forward.__globals__, own.co_name, None, tap_forward.__closure__)
     fn = functools.update_wrapper(fn, wrapped)  # its signature is the forward's (Trainer reads it)
     fn.__name__ = own.co_name
@@ -248,10 +257,12 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
     return types.MethodType(fn, module) if before is _MISSING else fn
 
 
-def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any) -> None:
+def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any, frame: str) -> None:
     """A forward_tap's graph code: tap the outputs that need a gradient (the tap numbers the
-    call the module's pre-hook opened) and hook them in the graph."""
-    if torch.compiler.is_compiling() and (name or root_grads):
+    call the module's pre-hook opened) and hook them in the graph; only where the forward tap
+    is the frame Dynamo compiles (``frame``, or a resume function of it). Inlined into an
+    enclosing frame, the module's hooks are traced too, and its post-hook hooks the outputs."""
+    if torch.compiler.is_compiling() and (name or root_grads) and _compiling_frame(frame):
         outputs = [(s, t) for s, t in flatten(output, "output") if _wants_grad(t)]
         if outputs:
             call = torch.ops.driftcheck.tap([t for _, t in outputs], tid, name, "out",
@@ -259,10 +270,23 @@ def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any) -> None:
             _hook_outputs(tid, name, outputs, call)
 
 
+@torch._dynamo.assume_constant_result  # called while Dynamo traces, a constant in the graph
+def _compiling_frame(frame: str) -> bool:
+    """Whether the frame Dynamo compiles now is ``frame`` or a resume function of it (True
+    where Dynamo does not say: an output tap too many is ignored, one too few is a gap)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        root = InstructionTranslator.current_tx().output.root_tx.f_code.co_name
+    except (AttributeError, ImportError, RuntimeError):
+        return True
+    return root == frame or root.startswith(f"torch_dynamo_resume_in_{frame}_at_")
+
+
 _run_eagerly_as_frames(_tap_outputs.__code__)  # from a forward tap run eagerly: not compiled
 
 
-def _where(t: torch.Tensor) -> tuple:
+def where(t: torch.Tensor) -> tuple:
     """Where a tensor's values are: the same graph output, seen inside and outside its graph."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -308,93 +332,3 @@ def compiled(model: nn.Module) -> bool:
     if type(model).__name__ == "OptimizedModule":
         return True
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
-# -- the tracer's side ------------------------------------------------------------------------
-class GraphTaps:
-    """What the taps hand over, taken by :class:`driftcheck.record.tracer.Tracer` (its state
-    lives there): a tapped call goes through the same ``_enter``/``_leave`` as an eager hook's,
-    without grad mode (its gradients come from ``grad_tap``), the local replay or an autograd
-    walk."""
-
-    def _on_tap(self, name: str, where: str, slots: list[str], tensors: list[torch.Tensor]) -> int:
-        if self._replaying or self._paused or not self._active:
-            return -1
-        pairs = list(zip(slots, tensors))
-        module = self._by_name[name]
-        if where == "out":  # a forward_tap's outputs: of the call open on top of the stack
-            top = self._stack[-1] if self._stack else None
-            if top is None or top[0] != name or top not in self._span_start \
-                    or not self._selected(name):
-                # Not a call an eager pre-hook opened (with its autograd span: _enter): its
-                # post-hook is traced and hooks the outputs itself. Or the graph ran this tap
-                # past a tap of a call inside (inductor may move ordered ops): none is taken.
-                return -1
-            self._tapped_out[top] = set(slots)
-            for slot, t in pairs:  # an enclosing call that returns it as it is: _alias_grad
-                self._tapped_tensors[_where(t)] = (name, top[1], "grad_" + slot, weakref.ref(t))
-            return top[1]
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            if where == "pre":
-                return self._enter(name, module, positional(pairs), {}, pairs, compiled=True)
-            inputs = [(s, t) for s, t in pairs if s.startswith("input")]
-            outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
-            return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
-
-    def _tap_forwards(self) -> None:
-        """A ``forward_tap`` in place of each module's forward, for the trace (``_untap``)."""
-        for module, name in self.names.items():
-            fn = forward_tap(self._tap_id, name, self.root_output_grads, module)
-            if fn is not None:
-                module.forward = fn
-
-    def _untap(self) -> None:
-        """The tracer's number unregistered, each module's own forward back."""
-        unregister(self._tap_id)
-        self._tap_id = None
-        for module in self.names:
-            uninstall(module)
-
-    def _on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
-        if call < 0 or self._paused or not self._active or not self._capturing("backward"):
-            return
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            if self._selected(name):
-                self._capture(name, "backward", call, slot, grad.detach(),
-                              extra=self._tap_ctx.get((name, call)))
-            for owner, ocall, oslot, ctx in self._grad_aliases.pop((name, call, slot), ()):
-                self._capture(owner, "backward", ocall, oslot, grad.detach(), extra=ctx)
-
-    def _alias_grad(self, name: str, call: int, slot: str, t: torch.Tensor, ctx: Any) -> bool:
-        """Whether the gradient of ``t``, an output of this call made by a compiled region, comes
-        from a ``forward_tap`` of a call inside it that returned the same tensor (a model's
-        logits, its classifier's output, where the model's own forward ran eagerly): the hook in
-        that graph sees its whole gradient, and hands it to this call too."""
-        made = self._tapped_tensors.get(_where(t))
-        node = type(t.grad_fn).__name__ if t.grad_fn is not None else None
-        if made is None or made[3]() is None or node != "CompiledFunctionBackward":
-            return False  # not the very values the tap saw (freed since, or a view of them)
-        self._grad_aliases.setdefault(made[:3], []).append((name, call, slot, ctx))
-        return True
-
-    def _audit_deferred(self) -> None:
-        """The BatchNorm audit of calls inside a compiled graph: their buffers are written back
-        after the graph, so each call is audited against the buffers at the end of the step
-        (exact for a norm called once a step, as nearly all are; later calls are skipped)."""
-        for name, call, x in self._bn_deferred:
-            if call != 0 or self._calls.get(name, 0) != 1:
-                continue
-            module = self._by_name[name]
-            before = self._bn_step_start.get(name)
-            if before is None:
-                continue
-            with self._quiet():
-                found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
-                                            module.training, self.step_index, call)
-            self.findings.extend(f.to_dict() for f in found)
-        self._bn_deferred.clear()
-        self._snapshot_norms()
-
-    def _snapshot_norms(self) -> None:
-        self._bn_step_start = {name: bn_audit.snapshot(m) for name, m in self._by_name.items()
-                               if self.audits and bn_audit.is_tracked_norm(m)}

@@ -32,16 +32,16 @@ from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
 from driftcheck.record.watch import LOSS_CODE, Watching, own_work
+from driftcheck.record.tapping import GraphTaps
 from driftcheck.record.metadata import run_metadata
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
 
-SAMPLE_SIZE = tstats.SAMPLE_SIZE  # elements kept per tensor in stats mode
 _SELECTED_BY = {"params": "forward", "loss": "forward"}  # phases --phases does not name
 
 
-class Tracer(ForwardHooks, BackwardHooks, Capturing, taps.GraphTaps, Watching):
+class Tracer(ForwardHooks, BackwardHooks, Capturing, GraphTaps, Watching):
     """Captures one model's training steps into a TraceWriter.
 
     Args:
