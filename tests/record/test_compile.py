@@ -128,10 +128,10 @@ def test_the_capture_breaking_the_graph_is_an_error_finding(tmp_path: Path,
     assert not [f for f in TraceReader(clean).manifest["findings"] if f["kind"].startswith("compile.")]
     original = taps.pre
 
-    def breaking(tid, name, module, args, kwargs):  # a capture that Dynamo cannot trace
+    def breaking(tid, name, module, args, kwargs, **kw):  # a capture that Dynamo cannot trace
         if name == "blocks.1.fc":
             torch._dynamo.graph_break()
-        return original(tid, name, module, args, kwargs)
+        return original(tid, name, module, args, kwargs, **kw)
 
     monkeypatch.setattr(taps, "pre", breaking)
     _run(tmp_path / "broken", "aot_eager")
@@ -505,3 +505,124 @@ def test_an_input_only_compiled_code_passes_is_an_input_gap_not_an_alignment_err
     assert [(f.module, f.details["keys"]) for f in gaps] == [("head", ["0/forward/head/0/input.mask"])]
     assert not [f for f in report.findings if f.kind.startswith("alignment.")]
     assert report.verdict == "pass"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_stats_mode_statistics_are_computed_by_the_graph(tmp_path: Path, backend: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """In stats mode the compiled graph computes each tapped tensor's statistics (its rows go to
+    the tap with the tensors); they are the statistics the tracer computes itself, and the
+    samples are the same. In full mode the graph computes none (the whole tensor is kept)."""
+    from driftcheck.record import tapping
+
+    given: list[bool] = []
+    on_tap, on_grad_tap = tapping.GraphTaps._on_tap, tapping.GraphTaps._on_grad_tap
+
+    def spy(self, name, where, slots, tensors, rows=None):
+        if where != "out":
+            given.append(rows is not None and rows.shape[0] == len(tensors))
+        return on_tap(self, name, where, slots, tensors, rows)
+
+    def grad_spy(self, name, call, slot, grad, row=None):
+        given.append(row is not None and row.shape[0] == 1)
+        return on_grad_tap(self, name, call, slot, grad, row)
+
+    monkeypatch.setattr(tapping.GraphTaps, "_on_tap", spy)
+    monkeypatch.setattr(tapping.GraphTaps, "_on_grad_tap", grad_spy)
+    by_graph = _run(tmp_path / "graph", backend, mode="stats")
+    assert given and all(given)
+    given.clear()
+    _run(tmp_path / "full", backend, mode="full")
+    assert given and not any(given)
+    monkeypatch.setattr(taps, "rows", lambda tensors: None)  # the tracer's own statistics
+    given.clear()
+    by_tracer = _run(tmp_path / "tracer", backend, mode="stats")
+    assert given and not any(given)
+    for a, b in zip(by_graph[0] + by_graph[1], by_tracer[0] + by_tracer[1]):
+        assert torch.equal(a, b)
+    graph, tracer = TraceReader(tmp_path / "graph"), TraceReader(tmp_path / "tracer")
+    theirs = {e["key"]: e for e in tracer.entries}
+    assert len(graph.entries) == len(theirs) > 50
+    for e in graph.entries:
+        mine, ref = e["stats"], theirs[e["key"]]["stats"]
+        assert mine.keys() == ref.keys()
+        for k, v in mine.items():
+            assert v == pytest.approx(ref[k], rel=1e-12, abs=1e-300), (e["key"], k)
+        sample, ref_sample = graph.tensor(e, "sample"), tracer.tensor(theirs[e["key"]], "sample")
+        assert (sample is None) == (ref_sample is None)
+        assert sample is None or torch.equal(sample, ref_sample)
+
+
+class _RMSNorm(nn.Module):
+    """A Llama norm: ``x.float()`` of a float32 ``x`` is ``x`` itself, used twice inside."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x) * self.weight
+
+
+class _PreNorm(nn.Module):
+    """Pre-norm residual blocks: each norm's input is also the residual (used outside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(_RMSNorm(16) for _ in range(3))
+        self.fcs = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, fc in zip(self.norms, self.fcs):
+            x = x + torch.tanh(fc(norm(x)))
+        return self.head(x)
+
+
+def _prenorm_grads(out: Path | None, backend: str) -> tuple[list[torch.Tensor], list[dict]]:
+    torch.manual_seed(0)
+    model = _PreNorm()
+    fwd = torch.compile(model, backend=backend)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 3
+    found: list[dict] = []
+    if out is None:
+        fwd(x).square().mean().backward()
+    else:
+        with driftcheck.trace(fwd, str(out), force=True, mode="stats") as t:
+            loss = fwd(x).square().mean()
+            loss.backward()
+            t.step(loss)
+        found = [f for f in TraceReader(out).manifest["findings"] if f["kind"].startswith("compile.")]
+    torch._dynamo.reset()
+    return [p.grad.clone() for p in model.parameters()], found
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_regrouped_gradient_sum_is_reported_and_is_the_only_difference(
+        tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm that uses its input twice, the input also the residual: the view the norm is
+    handed for its input gradient adds its two gradients first, where untraced autograd adds all
+    three in arrival order. The record says so (compile.regrouped_gradients, naming each norm)
+    and nothing else differs: with those views left out, the gradients are the untraced ones,
+    bitwise. The test model of the bitwise test reports none."""
+    plain, _ = _prenorm_grads(None, backend)
+    traced, found = _prenorm_grads(tmp_path / "t", backend)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, traced))  # the effect is real here
+    assert [f["kind"] for f in found] == ["compile.regrouped_gradients"]
+    assert found[0]["severity"] == "warning"
+    assert found[0]["details"]["modules"] == ["norms.1", "norms.2"]  # norms.0: x needs no grad
+    original = taps.pre
+
+    def unviewed(tid, name, module, args, kwargs, **kw):
+        got = original(tid, name, module, args, kwargs, **kw)
+        return None if name.startswith("norms.") else got
+
+    monkeypatch.setattr(taps, "pre", unviewed)
+    without, found = _prenorm_grads(tmp_path / "u", backend)
+    assert not found
+    for a, b in zip(plain, without):
+        assert torch.equal(a, b)
+    _run(tmp_path / "net", backend, mode="stats")
+    assert not [f for f in TraceReader(tmp_path / "net").manifest["findings"]
+                if f["kind"] == "compile.regrouped_gradients"]
