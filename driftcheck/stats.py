@@ -22,9 +22,6 @@ _FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "fl
                                              "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-FP8_DTYPES = tuple(_FP8)  # (graph code reads a tuple)
-
-
 def acc_dtype(device: torch.device) -> torch.dtype:
     # float64 where the backend supports it; TPUs and MPS do not, float32 is enough for a summary.
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
@@ -251,14 +248,6 @@ def large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
     out = np.empty(SAMPLE_SIZE, dtype=x.dtype)
     _kernels().gather_sample(x, _base_points(seed), zlib.crc32(key.encode()) / 2.0**32, out)
     return torch.from_numpy(out)
-
-
-def sample_taken(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
-    """The stats-mode sample of ``t`` (as ``summarize`` gives it) in memory of its own: ``t``
-    may be overwritten after (a compiled graph's buffer, reused)."""
-    if t.numel() <= SAMPLE_SIZE:
-        return t.reshape(-1).clone()
-    return large_sample(t, key, seed)
 
 
 def _large_stats(t: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,6 @@ class _Pending:
 class Capturing:
     """The capture half of :class:`driftcheck.record.tracer.Tracer` (its state lives there)."""
 
-    # id(tensor) -> its stats row, computed by the compiled graph that tapped it (record/tapping.py)
-    _graph_rows: dict[int, torch.Tensor] = {}
-
     @staticmethod
     def _identity(t: torch.Tensor) -> tuple | None:
         """What makes a tensor the same data as when last seen: the object itself (held weakly,
@@ -131,11 +128,6 @@ class Capturing:
               copy: bool) -> tuple[tuple | None, torch.Tensor]:
         """(summary or None, what the pending capture holds) for detached ``data`` of ``t``."""
         keep = phase == "loss" or self._full(module)  # the whole tensor goes to the trace
-        if not keep and self._graph_rows:
-            row = self._graph_rows.get(id(t))
-            if row is not None:  # stats mode in a compiled graph: its row is the graph's
-                sample = tstats.sample_taken(data, skey, self.seed)
-                return (row, sample), sample
         if not keep and tstats.HostSummaries.eligible(data):
             got = self._host.take(data, skey)
             if got is not None:

@@ -21,12 +21,11 @@ class GraphTaps:
 
     _regrouped: frozenset[str] | set[str] = frozenset()  # modules named by REGROUPED taps
 
-    def _on_tap(self, name: str, where: str, slots: list[str], tensors: list[torch.Tensor],
-                rows: torch.Tensor | None = None) -> int:
+    def _on_tap(self, name: str, where: str, slots: list[str], tensors: list[torch.Tensor]) -> int:
         if self._replaying or self._paused or not self._active:
             return -1
         if where == taps.REGROUPED:  # not a call: the modules whose input view regroups a sum
-            self._regrouped = self._regrouped | set(name.split(taps._SEP))
+            self._regrouped = self._regrouped | set(name.split(taps.SEP))
             return -1
         pairs = list(zip(slots, tensors))
         module = self._by_name[name]
@@ -42,24 +41,17 @@ class GraphTaps:
             for slot, t in pairs:  # an enclosing call that returns it as it is: _alias_grad
                 self._tapped_tensors[taps.where(t)] = (name, top[1], "grad_" + slot, weakref.ref(t))
             return top[1]
-        if rows is not None:  # the graph's stats rows, taken by _capture for these tensors (a
-            # copy: the graph reuses the buffer once the tap has run)
-            self._graph_rows = dict(zip(map(id, tensors), rows.clone().unbind(0)))
-        try:
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                if where == "pre":
-                    return self._enter(name, module, positional(pairs), {}, pairs, compiled=True)
-                inputs = [(s, t) for s, t in pairs if s.startswith("input")]
-                outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
-                return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
-        finally:
-            self._graph_rows = {}
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if where == "pre":
+                return self._enter(name, module, positional(pairs), {}, pairs, compiled=True)
+            inputs = [(s, t) for s, t in pairs if s.startswith("input")]
+            outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
+            return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
 
     def _tap_forwards(self) -> None:
         """A ``forward_tap`` in place of each module's forward, for the trace (``_untap``)."""
         for module, name in self.names.items():
-            fn = taps.forward_tap(self._tap_id, name, self.root_output_grads, module,
-                                  not self._full(name))
+            fn = taps.forward_tap(self._tap_id, name, self.root_output_grads, module)
             if fn is not None:
                 module.forward = fn
 
@@ -81,21 +73,15 @@ class GraphTaps:
         for module in self.names:
             uninstall(module)
 
-    def _on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor,
-                     row: torch.Tensor | None = None) -> None:
+    def _on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
         if call < 0 or self._paused or not self._active or not self._capturing("backward"):
             return
-        g = grad.detach()
-        if row is not None:
-            self._graph_rows = {id(g): row[0].clone()}
-        try:
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                if self._selected(name):
-                    self._capture(name, "backward", call, slot, g, extra=self._tap_ctx.get((name, call)))
-                for owner, ocall, oslot, ctx in self._grad_aliases.pop((name, call, slot), ()):
-                    self._capture(owner, "backward", ocall, oslot, g, extra=ctx)
-        finally:
-            self._graph_rows = {}
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if self._selected(name):
+                self._capture(name, "backward", call, slot, grad.detach(),
+                              extra=self._tap_ctx.get((name, call)))
+            for owner, ocall, oslot, ctx in self._grad_aliases.pop((name, call, slot), ()):
+                self._capture(owner, "backward", ocall, oslot, grad.detach(), extra=ctx)
 
     def _alias_grad(self, name: str, call: int, slot: str, t: torch.Tensor, ctx: Any) -> bool:
         """Whether the gradient of ``t``, an output of this call made by a compiled region, comes

@@ -30,11 +30,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from driftcheck import stats as tstats
 from driftcheck.nested import flatten
 from driftcheck.record import regroup
 
-_SEP = "\n"  # slot names travel as one string (a custom op takes no list of strings)
+SEP = "\n"  # slot names travel as one string (a custom op takes no list of strings)
 _TRACERS: dict[int, Any] = {}  # tracer id -> the tracer (weakly: a dropped tracer taps nothing)
 _IDS = itertools.count(1)
 
@@ -42,27 +41,23 @@ _IDS = itertools.count(1)
 # Defined with torch.library directly, not ``torch.library.custom_op``: its Python autograd
 # layers cost ~10 us a call (~50 us where an input requires grad), paid ~10^2 times a step.
 _LIB = torch.library.Library("driftcheck", "FRAGMENT")
-_LIB.define("tap(Tensor[] tensors, Tensor? rows, int tracer, str module, str where, str slots) -> Tensor")
-_LIB.define("grad_tap(Tensor grad, Tensor call, Tensor? row, int tracer, str module, str slot) -> ()")
+_LIB.define("tap(Tensor[] tensors, int tracer, str module, str where, str slots) -> Tensor")
+_LIB.define("grad_tap(Tensor grad, Tensor call, int tracer, str module, str slot) -> ()")
 
 
-def tap(tensors: list[torch.Tensor], rows: torch.Tensor | None, tracer: int, module: str, where: str,
-        slots: str) -> torch.Tensor:
-    """A module call's tensors (and their stats rows, where the graph computed them: ``rows``),
-    handed to the tracer when the compiled graph runs; returns the call's number (0-d int64)
-    for its gradient taps."""
+def tap(tensors: list[torch.Tensor], tracer: int, module: str, where: str, slots: str) -> torch.Tensor:
+    """A module call's tensors, handed to the tracer when the compiled graph runs; returns the
+    call's number (0-d int64) for its gradient taps."""
     owner = _owner(tracer)
-    call = -1 if owner is None else owner._on_tap(module, where, slots.split(_SEP), tensors, rows)
+    call = -1 if owner is None else owner._on_tap(module, where, slots.split(SEP), tensors)
     return torch.tensor(call, dtype=torch.int64)
 
 
-def grad_tap(grad: torch.Tensor, call: torch.Tensor, row: torch.Tensor | None, tracer: int,
-             module: str, slot: str) -> None:
-    """One gradient of a module call (and its stats row), handed to the tracer when the
-    backward graph runs."""
+def grad_tap(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str, slot: str) -> None:
+    """One gradient of a module call, handed to the tracer when the backward graph runs."""
     owner = _owner(tracer)
     if owner is not None:
-        owner._on_grad_tap(module, int(call), slot, grad, row)
+        owner._on_grad_tap(module, int(call), slot, grad)
 
 
 _LIB.impl("tap", tap, "CompositeExplicitAutograd")
@@ -70,14 +65,14 @@ _LIB.impl("grad_tap", grad_tap, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("driftcheck::tap", lib=_LIB)
-def _tap_fake(tensors: list[torch.Tensor], rows: torch.Tensor | None, tracer: int, module: str,
-              where: str, slots: str) -> torch.Tensor:
+def _tap_fake(tensors: list[torch.Tensor], tracer: int, module: str, where: str,
+              slots: str) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64)
 
 
 @torch.library.register_fake("driftcheck::grad_tap", lib=_LIB)
-def _grad_tap_fake(grad: torch.Tensor, call: torch.Tensor, row: torch.Tensor | None, tracer: int,
-                   module: str, slot: str) -> None:
+def _grad_tap_fake(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str,
+                   slot: str) -> None:
     return None
 
 
@@ -149,21 +144,20 @@ def _wants_grad(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
 
 
-def pre(tid: int, name: str, module: nn.Module, args: tuple, kwargs: dict, summarize: bool = False) -> Any:
+def pre(tid: int, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The pre-hook as graph code: tap the inputs; hand the module a view of each input that
     needs a gradient, hooked for this module's share of it (an in-place module, ReLU(inplace),
     gets the input itself: a hook on a view it rewrites would never fire)."""
     inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
-    tensors = [t for _, t in inputs]
-    call = torch.ops.driftcheck.tap(tensors, rows(tensors) if summarize else None, tid, name, "pre",
-                                    _SEP.join(s for s, _ in inputs))
+    call = torch.ops.driftcheck.tap([t for _, t in inputs], tid, name, "pre",
+                                    SEP.join(s for s, _ in inputs))
     if not any(_wants_grad(t) for _, t in inputs) or passes_through(module):
         return None
     inplace = getattr(module, "inplace", False) is True
 
     def hooked(slot: str, t: torch.Tensor) -> torch.Tensor:
         v = t if inplace else t.view_as(t)
-        v.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call, summarize))
+        v.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call))
         return v
 
     def one(slot: str, v: Any) -> Any:
@@ -192,38 +186,26 @@ def passes_through(module: nn.Module) -> bool:
 
 
 def post(tid: int, name: str, hook_outputs: bool, module: nn.Module, args: tuple, kwargs: dict,
-         output: Any, summarize: bool = False) -> None:
+         output: Any) -> None:
     """The post-hook as graph code: tap the inputs (a floor's magnitudes read them) and the
     outputs; hook each output that needs a gradient where ``hook_outputs`` (not the root's
     where the loop's outputs are not the loss's)."""
     inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
     outputs = list(flatten(output, "output"))
     pairs = inputs + outputs
-    tensors = [t for _, t in pairs]
-    call = torch.ops.driftcheck.tap(tensors, rows(tensors) if summarize else None, tid, name, "post",
-                                    _SEP.join(s for s, _ in pairs))
+    call = torch.ops.driftcheck.tap([t for _, t in pairs], tid, name, "post",
+                                    SEP.join(s for s, _ in pairs))
     if hook_outputs:
-        _hook_outputs(tid, name, outputs, call, summarize)
+        _hook_outputs(tid, name, outputs, call)
     if not name:  # the root's call: the forward is in this graph, its gradient sums are known
         _report_regrouped(tid)
     return None
 
 
-def _hook_outputs(tid: int, name: str, outputs: list[tuple[str, Any]], call: torch.Tensor,
-                  summarize: bool) -> None:
+def _hook_outputs(tid: int, name: str, outputs: list[tuple[str, Any]], call: torch.Tensor) -> None:
     for slot, t in outputs:
         if _wants_grad(t):
-            t.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call, summarize))
-
-
-def rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """Stats mode's rows (``stats.COLUMNS``) of ``tensors``, as graph code: the statistics are
-    computed by the compiled graph, fused with the user's kernels where the backend can, and
-    not by Python per tensor when it runs. None where one is complex or fp8 (the tracer's own
-    summary then), or where there is none."""
-    if not tensors or any(t.is_complex() or t.dtype in tstats.FP8_DTYPES for t in tensors):
-        return None
-    return torch.stack([tstats.stats_vector(t.detach()) for t in tensors])
+            t.register_hook(functools.partial(_grad_hook, tid, name, "grad_" + slot, call))
 
 
 # -- a module's forward compiled as a frame of its own ------------------------------------------
@@ -231,8 +213,7 @@ FORWARD_FRAME = "tap_forward_"  # the code name of each forward_tap (one code ob
 _MISSING = object()
 
 
-def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module,
-                summarize: bool = False) -> Callable | None:
+def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Callable | None:
     """The forward of ``module`` with its output gradients hooked as graph code, for a model
     that runs compiled code: None where it cannot be (a forward without Python code of its own)
     or need not (Dynamo would never compile the forward as a frame of its own).
@@ -261,14 +242,14 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module,
 
         def tap_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             output = wrapped(self, *args, **kwargs)
-            _tap_outputs(tid, name, root_grads, output, frame, summarize)
+            _tap_outputs(tid, name, root_grads, output, frame)
             return output
     else:  # a forward the module was given (a hook library's): called as it is
         wrapped = before
 
         def tap_forward(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
             output = before(*args, **kwargs)
-            _tap_outputs(tid, name, root_grads, output, frame, summarize)
+            _tap_outputs(tid, name, root_grads, output, frame)
             return output
 
     own = tap_forward.__code__.replace(co_name=frame)
@@ -279,8 +260,7 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module,
     return types.MethodType(fn, module) if before is _MISSING else fn
 
 
-def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any, frame: str,
-                 summarize: bool) -> None:
+def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any, frame: str) -> None:
     """A forward_tap's graph code: tap the outputs that need a gradient (the tap numbers the
     call the module's pre-hook opened) and hook them in the graph; only where the forward tap
     is the frame Dynamo compiles (``frame``, or a resume function of it). Inlined into an
@@ -288,9 +268,9 @@ def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any, frame: str,
     if torch.compiler.is_compiling() and (name or root_grads) and _compiling_frame(frame):
         outputs = [(s, t) for s, t in flatten(output, "output") if _wants_grad(t)]
         if outputs:
-            call = torch.ops.driftcheck.tap([t for _, t in outputs], None, tid, name, "out",
-                                            _SEP.join(s for s, _ in outputs))
-            _hook_outputs(tid, name, outputs, call, summarize)
+            call = torch.ops.driftcheck.tap([t for _, t in outputs], tid, name, "out",
+                                            SEP.join(s for s, _ in outputs))
+            _hook_outputs(tid, name, outputs, call)
         _report_regrouped(tid)
 
 
@@ -315,7 +295,7 @@ def _report_regrouped(tid: int) -> None:
     traced so far, handed to the tracer (``tracer.findings``, "compile.regrouped_gradients")."""
     names = _regrouped()
     if names:
-        torch.ops.driftcheck.tap([], None, tid, names, REGROUPED, "")
+        torch.ops.driftcheck.tap([], tid, names, REGROUPED, "")
 
 
 REGROUPED = "regrouped"  # the ``where`` of that tap
@@ -329,7 +309,10 @@ def _regrouped() -> str:
         graph = InstructionTranslator.current_tx().output.graph
     except (AttributeError, ImportError, RuntimeError):
         return ""
-    return _SEP.join(sorted(regroup.regrouping(graph)))
+    try:
+        return SEP.join(sorted(regroup.regrouping(graph)))
+    except Exception:  # a graph it does not know: no finding, never a failed compile
+        return ""
 
 
 def where(t: torch.Tensor) -> tuple:
@@ -347,10 +330,9 @@ def uninstall(module: nn.Module) -> None:
             module.forward = before
 
 
-def _grad_hook(tid: int, name: str, slot: str, call: torch.Tensor, summarize: bool,
-               grad: torch.Tensor) -> None:
+def _grad_hook(tid: int, name: str, slot: str, call: torch.Tensor, grad: torch.Tensor) -> None:
     if grad is not None:
-        torch.ops.driftcheck.grad_tap(grad, call, rows([grad]) if summarize else None, tid, name, slot)
+        torch.ops.driftcheck.grad_tap(grad, call, tid, name, slot)
     return None
 
 

@@ -174,13 +174,13 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, GraphTaps, Watching):
             self._tap_forwards()  # each module's forward hooks its outputs in the graph
         for module, name in self.names.items():
             # Each hook is graph code where Dynamo traces it (record/taps.py), eager otherwise.
-            rows = not self._full(name)  # stats mode: the graph computes the statistics
             self._handles.append(module.register_forward_pre_hook(taps.either(
-                own_work(self._make_pre_hook(name)), functools.partial(taps.pre, tid, name, summarize=rows),
-                post=False, around=self.compiled), with_kwargs=True))
+                own_work(self._make_pre_hook(name)),
+                functools.partial(taps.pre, tid, name), post=False, around=self.compiled),
+                with_kwargs=True))
             self._handles.append(module.register_forward_hook(taps.either(
-                own_work(self._make_post_hook(name)), functools.partial(
-                    taps.post, tid, name, bool(name) or self.root_output_grads, summarize=rows),
+                own_work(self._make_post_hook(name)),
+                functools.partial(taps.post, tid, name, bool(name) or self.root_output_grads),
                 post=True, around=self.compiled), with_kwargs=True))
         if self.compiled:  # Dynamo does not guard on hooks: code compiled before they were added
             torch._dynamo.reset()  # would run without them, and code compiled with them outlive them
