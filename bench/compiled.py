@@ -9,8 +9,10 @@ no graph break or recompilation of its own.
 Per model and target dtype it prints the verdict (n/a where a bf16 target fails at a convolution
 whose bf16 kernel this machine gets wrong, bench/kernel_check.py: a true positive), the worst entry ratio and where it is, the
 record's Dynamo counters (graphs, the model's own graph breaks, recompilations), the entries the
-compiled capture could not take (``compile.capture_gap`` keys, warnings) and the capture's own
-compile.* findings (which must be none).
+compiled capture could not take (``compile.capture_gap`` keys, warnings), the modules whose
+input-gradient tap regroups a gradient sum (``compile.regrouped_gradients``, a warning: traced
+gradients may differ from untraced in their last bits) and the capture's own compile.* errors
+(which must be none).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def main() -> int:
             try:
                 record(load_scenario(model), ref, force=True, model_id=model)
             except (DriftcheckError, ImportError) as e:
-                rows.append([model, "-", f"skipped: {str(e)[:80]}", "", "", "", "", "", ""])
+                rows.append([model, "-", f"skipped: {str(e)[:80]}", "", "", "", "", "", "", ""])
                 print(rows[-1], flush=True)
                 continue
             for dtype in args.dtypes.split(","):
@@ -63,8 +65,11 @@ def main() -> int:
                 worst = max((e for e in rep.entries if e.ratio is not None and math.isfinite(e.ratio)),
                             key=lambda e: e.ratio, default=None)
                 run = TraceReader(out).run["compile"]
-                ours = [f["kind"] for f in TraceReader(out).manifest["findings"]
+                found = TraceReader(out).manifest["findings"]
+                ours = [f["kind"] for f in found
                         if f["kind"].startswith("compile.") and f.get("severity") == "error"]
+                regrouped = [m for f in found if f["kind"] == "compile.regrouped_gradients"
+                             for m in f["details"]["modules"]]
                 gaps = sum(len(f.details.get("keys", ())) for f in rep.findings
                            if f.kind == "compile.capture_gap")
                 verdict = rep.verdict
@@ -77,10 +82,10 @@ def main() -> int:
                 rows.append([model, dtype, verdict,
                              f"{worst.ratio:.2f} ({worst.module} {worst.phase} {worst.slot})" if worst else "-",
                              str(run["graphs"]), str(run["graph_breaks"]), str(run["recompiles"]), str(gaps),
-                             ",".join(ours) or "none"])
+                             str(len(regrouped)), ",".join(ours) or "none"])
                 print(rows[-1], f"{time.perf_counter() - t0:.0f}s", flush=True)
     c.print_table(["model", "target", "verdict", "worst ratio (entry)", "graphs",
-                   "model's breaks", "recompiles", "gaps", "capture's findings"], rows)
+                   "model's breaks", "recompiles", "gaps", "regrouped", "capture's findings"], rows)
     print(f"\n{failed} failing case(s); backend {args.backend}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s)")
     return 1 if failed else 0

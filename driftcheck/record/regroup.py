@@ -19,12 +19,13 @@ def regrouping(graph: Any) -> set[str]:
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not hook or len(node.args) < 3:
             continue
-        view, call = node.args[0], node.args[2]
+        view = node.args[0]  # then the hook's body, its free values (sizes where dynamic), the tap
+        call = next((a for a in node.args[2:] if _is_tap(a)), None)
         if getattr(view, "target", None) != "view_as" or view.args[0] is not view.args[1] \
-                or not _is_tap(call):
+                or call is None:
             continue
         if _uses(node) >= 2 and _uses(view.args[0], skip=view) >= 1:
-            found.add(str(call.args[3]))
+            found.add(str(call.args[2]))  # tap(tensors, tracer, module, where, slots)
     return found
 
 
@@ -56,4 +57,6 @@ def _same(a: Any, b: Any) -> bool:
     x, y = a.meta.get("example_value"), b.meta.get("example_value")
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return False
-    return x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride()
+    # compared as text: symbolic sizes (dynamic shapes) compared as values would add guards
+    return x.dtype == y.dtype and str(tuple(x.shape)) == str(tuple(y.shape)) \
+        and str(x.stride()) == str(y.stride())

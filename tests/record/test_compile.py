@@ -534,10 +534,11 @@ class _PreNorm(nn.Module):
         return self.head(x)
 
 
-def _prenorm_grads(out: Path | None, backend: str) -> tuple[list[torch.Tensor], list[dict]]:
+def _prenorm_grads(out: Path | None, backend: str, dynamic: bool
+                   ) -> tuple[list[torch.Tensor], list[dict]]:
     torch.manual_seed(0)
     model = _PreNorm()
-    fwd = torch.compile(model, backend=backend)
+    fwd = torch.compile(model, backend=backend, dynamic=dynamic or None)
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 3
     found: list[dict] = []
     if out is None:
@@ -552,16 +553,18 @@ def _prenorm_grads(out: Path | None, backend: str) -> tuple[list[torch.Tensor], 
     return [p.grad.clone() for p in model.parameters()], found
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend,dynamic", [("aot_eager", False), ("inductor", False),
+                                             ("aot_eager", True)])
 def test_a_regrouped_gradient_sum_is_reported_and_is_the_only_difference(
-        tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, backend: str, dynamic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A norm that uses its input twice, the input also the residual: the view the norm is
     handed for its input gradient adds its two gradients first, where untraced autograd adds all
     three in arrival order. The record says so (compile.regrouped_gradients, naming each norm)
     and nothing else differs: with those views left out, the gradients are the untraced ones,
-    bitwise. The test model of the bitwise test reports none."""
-    plain, _ = _prenorm_grads(None, backend)
-    traced, found = _prenorm_grads(tmp_path / "t", backend)
+    bitwise. The test model of the bitwise test reports none. With dynamic shapes too (the
+    hooks then carry the sizes they close over)."""
+    plain, _ = _prenorm_grads(None, backend, dynamic)
+    traced, found = _prenorm_grads(tmp_path / "t", backend, dynamic)
     assert not all(torch.equal(a, b) for a, b in zip(plain, traced))  # the effect is real here
     assert [f["kind"] for f in found] == ["compile.regrouped_gradients"]
     assert found[0]["severity"] == "warning"
@@ -573,7 +576,7 @@ def test_a_regrouped_gradient_sum_is_reported_and_is_the_only_difference(
         return None if name.startswith("norms.") else got
 
     monkeypatch.setattr(taps, "pre", unviewed)
-    without, found = _prenorm_grads(tmp_path / "u", backend)
+    without, found = _prenorm_grads(tmp_path / "u", backend, dynamic)
     assert not found
     for a, b in zip(plain, without):
         assert torch.equal(a, b)
