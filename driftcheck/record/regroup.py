@@ -29,7 +29,11 @@ def regrouping(graph: Any) -> set[str]:
     return found
 
 
-_NO_GRAD = frozenset({"detach", "size", "dim", "numel", "stride"})
+_NO_GRAD = frozenset({"detach", "size", "dim", "numel", "stride", "new_zeros", "new_ones",
+                      "new_empty", "new_full", "new_tensor"})
+_LIKE = frozenset({"type_as", "view_as", "expand_as", "reshape_as"})  # the other's shape or dtype
+_NO_GRAD_FNS = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+                torch.rand_like, torch.randn_like)
 _MAYBE_SELF = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous"})
 
 
@@ -39,8 +43,10 @@ def _uses(node: Any, skip: Any = None, depth: int = 0) -> int:
     float32 ``x``) and hooks on it."""
     n = 0
     for u in node.users:
-        if u is skip or (u.op == "call_method" and u.target in _NO_GRAD) or _is_tap(u):
-            continue
+        if u is skip or _is_tap(u) or (u.op == "call_method" and (
+                u.target in _NO_GRAD or (u.target in _LIKE and u.args[0] is not node))) \
+                or (u.op == "call_function" and u.target in _NO_GRAD_FNS):
+            continue  # a tap, or what takes no gradient (``y.type_as(x)``: x's dtype only)
         same = u.op == "call_method" and u.target in _MAYBE_SELF and _same(node, u)
         through = same or (u.op == "call_function" and u.args and u.args[0] is node
                            and u.target is getattr(torch.ops.higher_order, "register_hook", None))
