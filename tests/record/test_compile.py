@@ -534,12 +534,12 @@ class _PreNorm(nn.Module):
         return self.head(x)
 
 
-def _prenorm_grads(out: Path | None, backend: str, dynamic: bool
+def _prenorm_grads(out: Path | None, backend: str, dynamic: bool, dtype: torch.dtype = torch.float32
                    ) -> tuple[list[torch.Tensor], list[dict]]:
     torch.manual_seed(0)
-    model = _PreNorm()
+    model = _PreNorm().to(dtype)
     fwd = torch.compile(model, backend=backend, dynamic=dynamic or None)
-    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 3
+    x = (torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     found: list[dict] = []
     if out is None:
         fwd(x).square().mean().backward()
@@ -583,3 +583,13 @@ def test_a_regrouped_gradient_sum_is_reported_and_is_the_only_difference(
     _run(tmp_path / "net", backend, mode="stats")
     assert not [f for f in TraceReader(tmp_path / "net").manifest["findings"]
                 if f["kind"] == "compile.regrouped_gradients"]
+
+
+def test_a_norm_that_copies_its_input_regroups_nothing(tmp_path: Path) -> None:
+    """In bfloat16 the norm's ``x.float()`` is a copy, its one use of ``x`` (``type_as(x)`` reads
+    only x's dtype): no finding, and the traced gradients are the untraced ones, bitwise."""
+    plain, _ = _prenorm_grads(None, "aot_eager", False, torch.bfloat16)
+    traced, found = _prenorm_grads(tmp_path / "t", "aot_eager", False, torch.bfloat16)
+    assert not found
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
