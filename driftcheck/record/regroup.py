@@ -47,6 +47,10 @@ def _uses(node: Any, skip: Any = None, depth: int = 0) -> int:
                 u.target in _NO_GRAD or (u.target in _LIKE and u.args[0] is not node))) \
                 or (u.op == "call_function" and u.target in _NO_GRAD_FNS):
             continue  # a tap, or what takes no gradient (``y.type_as(x)``: x's dtype only)
+        if u.op == "call_method" and u.target == "view_as" and u.args[0] is node \
+                and u.args[1] is node:  # another module's input view: a use where it has one
+            n += _uses(u, depth=depth + 1) > 0 if depth < 8 else 1
+            continue
         same = u.op == "call_method" and u.target in _MAYBE_SELF and _same(node, u)
         through = same or (u.op == "call_function" and u.args and u.args[0] is node
                            and u.target is getattr(torch.ops.higher_order, "register_hook", None))

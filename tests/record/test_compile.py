@@ -593,3 +593,58 @@ def test_a_norm_that_copies_its_input_regroups_nothing(tmp_path: Path) -> None:
     assert not found
     for a, b in zip(plain, traced):
         assert torch.equal(a, b)
+
+
+class _DtypeOnly(nn.Module):
+    """A rotary embedding's way with its input: it reads the dtype, never the values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((16,), 0.5, dtype=x.dtype, device=x.device)
+
+
+class _ResidualLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x))
+
+
+class _WithRotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rotary, self.layer = nn.Linear(16, 16), _DtypeOnly(), _ResidualLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.layer(h) * self.rotary(h)
+
+
+def test_a_module_that_reads_only_the_dtype_is_no_outside_use(tmp_path: Path) -> None:
+    """A layer uses its input twice (its norm, the residual); the input also goes to a module
+    that reads only its dtype (its input view takes no gradient): all of the input's gradient
+    comes through the layer's view, added as untraced. No finding, gradients bitwise (a first
+    version counted the other view and named Hugging Face Llama's first decoder layer)."""
+    def grads(out: Path | None) -> tuple[list[torch.Tensor], list[dict]]:
+        torch.manual_seed(0)
+        model = _WithRotary()
+        fwd = torch.compile(model, backend="aot_eager")
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        found: list[dict] = []
+        if out is None:
+            fwd(x).square().mean().backward()
+        else:
+            with driftcheck.trace(fwd, str(out), force=True, mode="stats") as t:
+                loss = fwd(x).square().mean()
+                loss.backward()
+                t.step(loss)
+            found = [f for f in TraceReader(out).manifest["findings"] if f["kind"].startswith("compile.")]
+        torch._dynamo.reset()
+        return [p.grad.clone() for p in model.parameters()], found
+
+    plain, _ = grads(None)
+    traced, found = grads(tmp_path / "t")
+    assert not found
+    for a, b in zip(plain, traced):
+        assert torch.equal(a, b)
