@@ -648,3 +648,59 @@ def test_a_module_that_reads_only_the_dtype_is_no_outside_use(tmp_path: Path) ->
     assert not found
     for a, b in zip(plain, traced):
         assert torch.equal(a, b)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ResidualLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _NestedViews(nn.Module):
+    """The residual layer's two uses of its input come through two views (its own and its
+    wrapper's); the input is used outside the wrapper too (a diffusers down block's skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.block = nn.Linear(16, 16), _Wrapped()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.block(h) + torch.tanh(h)
+
+
+def test_a_sum_regrouped_through_nested_views_names_each_view(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients counted through the views of modules handed the input on: both views hold two of
+    the input's three gradients, both are named, and with their views left out the gradients
+    are the untraced ones, bitwise (a first version looked one view deep and named neither)."""
+    def grads(out: Path | None) -> tuple[list[torch.Tensor], list[dict]]:
+        torch.manual_seed(0)
+        model = _NestedViews()
+        fwd = torch.compile(model, backend="aot_eager")
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        found: list[dict] = []
+        if out is None:
+            fwd(x).square().mean().backward()
+        else:
+            with driftcheck.trace(fwd, str(out), force=True, mode="stats") as t:
+                loss = fwd(x).square().mean()
+                loss.backward()
+                t.step(loss)
+            found = [f for f in TraceReader(out).manifest["findings"] if f["kind"].startswith("compile.")]
+        torch._dynamo.reset()
+        return [p.grad.clone() for p in model.parameters()], found
+
+    plain, _ = grads(None)
+    _, found = grads(tmp_path / "t")
+    assert [f["details"]["modules"] for f in found] == [["block", "block.inner"]]
+    original = taps.pre
+    monkeypatch.setattr(taps, "pre", lambda tid, name, *a: None if name.startswith("block")
+                        else original(tid, name, *a))
+    without, found = grads(tmp_path / "u")
+    assert not found
+    for a, b in zip(plain, without):
+        assert torch.equal(a, b)
