@@ -536,8 +536,15 @@ class _PreNorm(nn.Module):
 
 def _prenorm_grads(out: Path | None, backend: str, dynamic: bool, dtype: torch.dtype = torch.float32
                    ) -> tuple[list[torch.Tensor], list[dict]]:
+    return _compiled_grads(_PreNorm, out, backend, dynamic, dtype)
+
+
+def _compiled_grads(build: type, out: Path | None, backend: str = "aot_eager", dynamic: bool = False,
+                    dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[dict]]:
+    """One compiled step of ``build()``: its parameter gradients, and where traced into ``out``
+    (stats mode) the record's compile.* findings."""
     torch.manual_seed(0)
-    model = _PreNorm().to(dtype)
+    model = build().to(dtype)
     fwd = torch.compile(model, backend=backend, dynamic=dynamic or None)
     x = (torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     found: list[dict] = []
@@ -626,25 +633,8 @@ def test_a_module_that_reads_only_the_dtype_is_no_outside_use(tmp_path: Path) ->
     that reads only its dtype (its input view takes no gradient): all of the input's gradient
     comes through the layer's view, added as untraced. No finding, gradients bitwise (a first
     version counted the other view and named Hugging Face Llama's first decoder layer)."""
-    def grads(out: Path | None) -> tuple[list[torch.Tensor], list[dict]]:
-        torch.manual_seed(0)
-        model = _WithRotary()
-        fwd = torch.compile(model, backend="aot_eager")
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-        found: list[dict] = []
-        if out is None:
-            fwd(x).square().mean().backward()
-        else:
-            with driftcheck.trace(fwd, str(out), force=True, mode="stats") as t:
-                loss = fwd(x).square().mean()
-                loss.backward()
-                t.step(loss)
-            found = [f for f in TraceReader(out).manifest["findings"] if f["kind"].startswith("compile.")]
-        torch._dynamo.reset()
-        return [p.grad.clone() for p in model.parameters()], found
-
-    plain, _ = grads(None)
-    traced, found = grads(tmp_path / "t")
+    plain, _ = _compiled_grads(_WithRotary, None)
+    traced, found = _compiled_grads(_WithRotary, tmp_path / "t")
     assert not found
     for a, b in zip(plain, traced):
         assert torch.equal(a, b)
@@ -677,30 +667,13 @@ def test_a_sum_regrouped_through_nested_views_names_each_view(
     """Gradients counted through the views of modules handed the input on: both views hold two of
     the input's three gradients, both are named, and with their views left out the gradients
     are the untraced ones, bitwise (a first version looked one view deep and named neither)."""
-    def grads(out: Path | None) -> tuple[list[torch.Tensor], list[dict]]:
-        torch.manual_seed(0)
-        model = _NestedViews()
-        fwd = torch.compile(model, backend="aot_eager")
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-        found: list[dict] = []
-        if out is None:
-            fwd(x).square().mean().backward()
-        else:
-            with driftcheck.trace(fwd, str(out), force=True, mode="stats") as t:
-                loss = fwd(x).square().mean()
-                loss.backward()
-                t.step(loss)
-            found = [f for f in TraceReader(out).manifest["findings"] if f["kind"].startswith("compile.")]
-        torch._dynamo.reset()
-        return [p.grad.clone() for p in model.parameters()], found
-
-    plain, _ = grads(None)
-    _, found = grads(tmp_path / "t")
+    plain, _ = _compiled_grads(_NestedViews, None)
+    _, found = _compiled_grads(_NestedViews, tmp_path / "t")
     assert [f["details"]["modules"] for f in found] == [["block", "block.inner"]]
     original = taps.pre
     monkeypatch.setattr(taps, "pre", lambda tid, name, *a: None if name.startswith("block")
                         else original(tid, name, *a))
-    without, found = grads(tmp_path / "u")
+    without, found = _compiled_grads(_NestedViews, tmp_path / "u")
     assert not found
     for a, b in zip(plain, without):
         assert torch.equal(a, b)
