@@ -63,10 +63,11 @@ class GraphTaps:
             self.findings.append({
                 "kind": "compile.regrouped_gradients", "severity": "warning", "module": names[0],
                 "step": 0, "details": {"modules": names},
-                "message": f"{len(names)} module(s) use their input twice or more and the input is "
-                f"used outside them too (e.g. {', '.join(names[:3])}): the input-gradient tap adds "
-                "their share first, so gradients upstream may differ from the untraced compiled "
-                "run's in their last bits (floating-point addition regrouped; docs/compile.md)"})
+                "message": f"{len(names)} module(s) take two or more of a tensor's gradients through "
+                f"their input-gradient tap while others of its gradients do not (e.g. "
+                f"{', '.join(names[:3])}): the tap adds theirs first, so gradients upstream may "
+                "differ from the untraced compiled run's in their last bits (floating-point "
+                "addition regrouped; docs/compile.md)"})
             self._regrouped = frozenset()
         unregister(self._tap_id)
         self._tap_id = None
