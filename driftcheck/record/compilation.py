@@ -142,7 +142,7 @@ class Account:
                 continue  # a compiled model's own hooks, around its graph, or a module's
                 # forward compiled as a frame of its own, as untraced (record/taps.py)
             if where.startswith(_OURS):
-                findings.append(_finding(
+                findings.append(finding(
                     "compile.graph_break", "error",
                     f"the tracer's own code ({os.path.relpath(where, _OURS)}:"
                     f"{getattr(m, 'co_firstlineno', '?')}, {getattr(m, 'co_name', '?')}) was "
@@ -153,7 +153,7 @@ class Account:
             ours = _our_line(stack)
             if ours:
                 model = _model_line(stack)
-                findings.append(_finding(
+                findings.append(finding(
                     "compile.graph_break", "error",
                     f"the capture broke the compiled graph at {ours}"
                     + (f", in the module called from {model}" if model else "")
@@ -163,14 +163,14 @@ class Account:
             reason = str(m.recompile_reason)
             ours = bool(_our_line(reason)) or (str(getattr(m, "co_filename", "")).startswith(_OURS)
                                                and not _forward_frame(m))
-            findings.append(_finding(
+            findings.append(finding(
                 "compile.recompile", "error" if ours else "warning",
                 (f"Dynamo recompiled {getattr(m, 'co_name', '?')} because of the tracer's state: "
                  if ours else f"Dynamo recompiled {getattr(m, 'co_name', '?')} (the model's own "
                  "guards, not the capture's): ") + reason.strip().splitlines()[0][:300],
                 {"reason": reason[:2000]}))
         if breaks and not any(f["kind"] == "compile.graph_break" for f in findings):
-            findings.append(_finding(
+            findings.append(finding(
                 "compile.graph_break", "warning",
                 f"the model's code broke the compiled graph {sum(breaks.values())} time(s) (its own "
                 f"breaks, not the capture's), e.g. {next(iter(breaks))[:200]}",
@@ -231,6 +231,8 @@ def _reason(stack: str) -> str:
     return ""
 
 
-def _finding(kind: str, severity: str, message: str, details: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": kind, "severity": severity, "module": "", "step": 0, "message": message,
+def finding(kind: str, severity: str, message: str, details: dict[str, Any],
+            module: str = "") -> dict[str, Any]:
+    """A record-time compile.* finding, as the manifest holds it (step 0: of the whole run)."""
+    return {"kind": kind, "severity": severity, "module": module, "step": 0, "message": message,
             "details": details}

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from driftcheck.audit import batchnorm as bn_audit
-from driftcheck.record import taps
+from driftcheck.record import compilation, taps
 from driftcheck.record.taps import positional, uninstall, unregister
 
 
@@ -60,14 +60,13 @@ class GraphTaps:
         gradient sums the graphs reported, as a finding."""
         if self._regrouped:
             names = sorted(self._regrouped)
-            self.findings.append({
-                "kind": "compile.regrouped_gradients", "severity": "warning", "module": names[0],
-                "step": 0, "details": {"modules": names},
-                "message": f"{len(names)} module(s) take two or more of a tensor's gradients through "
-                f"their input-gradient tap while others of its gradients do not (e.g. "
+            self.findings.append(compilation.finding(
+                "compile.regrouped_gradients", "warning",
+                f"{len(names)} module(s) take two or more of a tensor's gradients through their "
+                f"input-gradient tap while others of its gradients do not (e.g. "
                 f"{', '.join(names[:3])}): the tap adds theirs first, so gradients upstream may "
                 "differ from the untraced compiled run's in their last bits (floating-point "
-                "addition regrouped; docs/compile.md)"})
+                "addition regrouped; docs/compile.md)", {"modules": names}, module=names[0]))
             self._regrouped = frozenset()
         unregister(self._tap_id)
         self._tap_id = None

@@ -278,13 +278,22 @@ def _tap_outputs(tid: int, name: str, root_grads: bool, output: Any, frame: str)
 def _compiling_frame(frame: str) -> bool:
     """Whether the frame Dynamo compiles now is ``frame`` or a resume function of it (True
     where Dynamo does not say: an output tap too many is ignored, one too few is a gap)."""
+    output = _tracing()
+    if output is None:
+        return True
+    root = output.root_tx.f_code.co_name
+    return root == frame or root.startswith(f"torch_dynamo_resume_in_{frame}_at_")
+
+
+def _tracing() -> Any:
+    """What Dynamo is building now (its OutputGraph: the graph, the root frame), or None where
+    it does not say; for the ``assume_constant_result`` functions called while it traces."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        root = InstructionTranslator.current_tx().output.root_tx.f_code.co_name
+        return InstructionTranslator.current_tx().output
     except (AttributeError, ImportError, RuntimeError):
-        return True
-    return root == frame or root.startswith(f"torch_dynamo_resume_in_{frame}_at_")
+        return None
 
 
 _run_eagerly_as_frames(_tap_outputs.__code__)  # from a forward tap run eagerly: not compiled
@@ -303,14 +312,11 @@ REGROUPED = "regrouped"  # the ``where`` of that tap
 
 @torch._dynamo.assume_constant_result  # called while Dynamo traces, a constant in the graph
 def _regrouped() -> str:
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        graph = InstructionTranslator.current_tx().output.graph
-    except (AttributeError, ImportError, RuntimeError):
+    output = _tracing()
+    if output is None:
         return ""
     try:
-        return SEP.join(sorted(regroup.regrouping(graph)))
+        return SEP.join(sorted(regroup.regrouping(output.graph)))
     except Exception:  # a graph it does not know: no finding, never a failed compile
         return ""
 
