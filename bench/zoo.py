@@ -6,6 +6,7 @@ the same protocol: clean controls must pass, an injected defect must fail at its
     python bench/zoo.py --jobs 2 --json zoo.json   # the whole corpus (~30-40 min on 2 cores)
     python bench/zoo.py --families hf,diffusers --limit 5
     python bench/zoo.py --only timm_vit,hf_roberta --modes full
+    python bench/zoo.py --compile inductor --modes full --limit 12   # compiled targets
     driftcheck record bench/zoo.py:timm_vit --out ref   # any entry is a MODEL spec
 
 Per architecture (in-process, through record() and compare(), ~2 steps of AdamW on batch 2):
@@ -25,6 +26,11 @@ defect's size is measured in floors of the clean bf16 run at that module (step 0
 rms(faulty - reference) / floor, as bench/faults.py does. An architecture that cannot be built
 or trained in plain PyTorch is listed as "could not build"; a record or compare that raises
 counts as a failure of that case, with its one-line error.
+
+With --compile BACKEND every target (controls and defect) is recorded through torch.compile with
+that backend against the same eager fp32 reference, as `driftcheck record --compile` does: no
+local replay and no view audit there (a compiled record takes neither), so each control and the
+defect run once per mode.
 """
 from __future__ import annotations
 
@@ -164,11 +170,14 @@ class _Threads:
 
 
 def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str, ...] = ("full", "stats"),
-             controls: tuple[str, ...] = tuple(CONTROLS), locals_: tuple[bool, ...] = (True, False)) -> dict[str, Any]:
+             controls: tuple[str, ...] = tuple(CONTROLS), locals_: tuple[bool, ...] = (True, False),
+             compile: str | None = None) -> dict[str, Any]:
     """The whole protocol for one architecture; never raises for the model's or driftcheck's
-    errors (they are in the result)."""
+    errors (they are in the result). ``compile``: the targets' torch.compile backend."""
     family, build = CATALOGUE[name]
     res: dict[str, Any] = {"name": name, "family": family, "status": "ok", "controls": [], "faults": []}
+    if compile:
+        res["compile"], locals_ = compile, (False,)
     t_all = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix=f"zoo-{name}-", dir=work))
     try:
@@ -205,10 +214,11 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
             for control in controls:
                 for local in locals_:
                     res["controls"].append(_case(pristine, build, name, refs, root, mode, local,
-                                                 control=control, floors=floors, wrong_convs=wrong))
+                                                 control=control, floors=floors, wrong_convs=wrong,
+                                                 compile=compile))
             for local in locals_:
                 res["faults"].append(_case(pristine, build, name, refs, root, mode, local,
-                                           fault=res["fault_module"], floors=floors))
+                                           fault=res["fault_module"], floors=floors, compile=compile))
     finally:
         res["secs"] = time.perf_counter() - t_all
         shutil.rmtree(root, ignore_errors=True)
@@ -217,9 +227,12 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
 
 def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: dict[str, Path],
           root: Path, mode: str, local: bool, control: str | None = None, fault: str | None = None,
-          floors: dict[str, float] | None = None, wrong_convs: tuple[str, ...] = ()) -> dict[str, Any]:
+          floors: dict[str, float] | None = None, wrong_convs: tuple[str, ...] = (),
+          compile: str | None = None) -> dict[str, Any]:
     opts = dict(CONTROLS[control]) if control else {}
     threads = opts.pop("threads", 1)
+    if compile:
+        opts["compile"] = {"backend": compile, "mode": None, "dynamic": None}
     out = root / "target"
     case: dict[str, Any] = {"control": control, "mode": mode, "local": local}
     t0 = time.perf_counter()
@@ -227,7 +240,7 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
         with _Threads(threads):
             record(fresh(pristine, build), out, mode=mode, replay=refs["full"], force=True,
                    model_id=name, local=refs["full"] if local else None,
-                   view_audit=mode == "full", target_hooks=scale_output(fault, FACTOR) if fault else None,
+                   view_audit=mode == "full" and not compile, target_hooks=scale_output(fault, FACTOR) if fault else None,
                    **opts)
         rep = compare(refs[mode], out)
         case.update(summarize_report(rep))
@@ -302,7 +315,7 @@ def worker(args: argparse.Namespace) -> int:
         _TIMED_OUT[0] = False
         signal.alarm(args.timeout)
         try:
-            res = run_arch(name, args.work, modes)
+            res = run_arch(name, args.work, modes, compile=args.compile)
         except ArchTimeout as e:
             res = {"name": name, "family": CATALOGUE[name][0], "status": "timeout", "error": str(e),
                    "secs": float(args.timeout), "controls": [], "faults": []}
@@ -334,6 +347,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--modes", default="full,stats", help="record modes (full,stats)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per architecture")
+    ap.add_argument("--compile", metavar="BACKEND", help="record every target through torch.compile "
+                    "with this backend (inductor, aot_eager, ...)")
     ap.add_argument("--json", help="write every result here")
     ap.add_argument("--md", help="write the Markdown tables here too")
     ap.add_argument("--work", default=None, help="scratch folder for the traces")

@@ -36,7 +36,8 @@ def run_workers(names: list[str], args: argparse.Namespace, script: Path,
     todo = collections.deque(n for n in names if n not in results)
     lock = threading.Lock()
     cmd = [sys.executable, str(script), "--worker", "--results", str(resdir), "--modes", args.modes,
-           "--timeout", str(args.timeout)] + (["--work", args.work] if args.work else [])
+           "--timeout", str(args.timeout)] + (["--work", args.work] if args.work else []) + (
+           ["--compile", args.compile] if getattr(args, "compile", None) else [])
 
     def spawn(i: int) -> subprocess.Popen:
         log = open(resdir / f"worker-{i}.log", "ab")
@@ -105,7 +106,7 @@ def meta(args: argparse.Namespace, secs: float) -> dict[str, Any]:
     return {"driftcheck": str(Path(driftcheck.__file__).resolve()), "commit": git("rev-parse", "--short", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--", "driftcheck")), "torch": torch.__version__,
             "modes": args.modes, "jobs": args.jobs, "timeout": args.timeout, "wall_secs": secs,
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "compile": getattr(args, "compile", None)}
 
 
 def _ratio(r: Any) -> float:
@@ -188,6 +189,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"{s['unbuildable']} could not be built",
            f"driftcheck {meta.get('commit')}{' (dirty)' if meta.get('dirty') else ''} from {meta.get('driftcheck')}, "
            f"torch {meta.get('torch')}, modes {meta.get('modes')}, {meta.get('jobs')} job(s), "
+           f"{'targets compiled with ' + meta['compile'] + ', ' if meta.get('compile') else ''}"
            f"{meta.get('wall_secs', 0) / 60:.1f} min wall", "",
            ] + _section("Clean controls (false alarms = failed or errored verdicts / architectures)",
                         "| control | mode | local replay | cases | fail | error | not a clean run (model or machine) | false-alarm rate | worst ratio |")[1:]

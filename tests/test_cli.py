@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -200,7 +199,7 @@ def test_run_checks_a_missing_target_device_before_recording(tmp_path):
     assert not (tmp_path / "r" / "reference").exists()
 
 
-def test_report_output_dash_is_standard_output(traces, tmp_path, capsys):
+def test_report_output_dash_is_standard_output(traces, tmp_path, capsys, monkeypatch):
     """``report R.json --summary-md -`` prints the summary (it used to write a file named -);
     the verdict line goes to stderr, so stdout holds the summary alone."""
     from conftest import run_cli
@@ -208,7 +207,7 @@ def test_report_output_dash_is_standard_output(traces, tmp_path, capsys):
     rj = tmp_path / "r.json"
     code, _, _ = run_cli(["compare", traces["mlp"]["fp32"], traces["mlp"]["bf16"], "--json", rj], capsys)
     assert code == 0
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # restored after the test: its folder is removed then
     code, out, err = run_cli(["report", rj, "--summary-md", "-"], capsys)
     assert code == 0 and not (tmp_path / "-").exists()
     assert out.startswith("#") and "PASS" in err
