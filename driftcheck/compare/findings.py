@@ -35,6 +35,8 @@ class Findings:
                   "gradient tensor(s) of this module exist only on the {held}: a compiled run's "
                   "capture did not get them (a gradient computed inside a compiled graph that no "
                   "hook sees, docs/compile.md); not judged"))
+        if compiled:
+            self._returned_inputs(ref_map, tgt_map)
         for kind, applies, why in rules if compiled else ():
             for side, gaps, other in (("target", missing, calls[1]), ("reference", extra, calls[0])):
                 held = "reference" if side == "target" else "target"
@@ -58,6 +60,36 @@ class Findings:
                 f"{len(es)} tensor(s) exist only on the target (e.g. {es[0].key}): the target "
                 "ran a module or call the reference did not", phase=es[0].phase,
                 key=es[0].key, details={"count": len(es), "keys": [x.key for x in es[:10]]}))
+
+    def _returned_inputs(self, ref_map: dict, tgt_map: dict) -> None:
+        """A compiled comparison does not judge the gradients of an input that its module returns
+        unchanged as one of its outputs (torchvision's LastLevelMaxPool appends to the list it is
+        given and returns it): eager capture takes the input gradient of the module's own
+        operations and the output gradient of the whole tensor, a compiled capture's views split
+        them where the tensor is handed in and out. Taken out of the target's map (so nothing
+        inherits from them) and reported."""
+        calls: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+        for e in ref_map.values():
+            if e.phase == "forward" and e.stats:
+                calls[(e.step, e.module, e.call)][e.slot.startswith("output")].append(e)
+        gone: dict[str, list] = defaultdict(list)
+        for (step, module, call), (ins, outs) in calls.items():
+            same = [(x, o) for x in ins for o in outs if o.shape == x.shape and o.stats == x.stats]
+            slots = {"grad_" + x.slot for x, _ in same} | {"grad_" + o.slot for _, o in same}
+            for slot in sorted(slots):
+                a = (step, "backward", module, call, slot)
+                if a in tgt_map and a in ref_map:
+                    del tgt_map[a]
+                    gone[module].append(ref_map[a])
+        for mod, es in gone.items():
+            self.findings.append(Finding(
+                "compile.capture_gap", mod, es[0].step,
+                f"{len(es)} gradient(s) of this module not judged: it returns an input unchanged "
+                "as one of its outputs, whose gradients eager capture takes whole and a compiled "
+                f"capture splits where the tensor is handed in and out (docs/compile.md) (e.g. "
+                f"{es[0].key})", phase=es[0].phase, key=es[0].key, severity="warning",
+                details={"count": len(es), "keys": [x.key for x in es[:10]],
+                         "missing_on": "neither: an input returned as an output"}))
 
     def _trace_findings(self) -> None:
         for side, reader in (("target", self.tgt), ("reference", self.ref)):

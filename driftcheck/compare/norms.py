@@ -25,14 +25,35 @@ from driftcheck.compare.entries import TraceEntry
 class Norms:
     """The norm part of :class:`driftcheck.compare.Comparison`."""
 
+    def _norm_call(self, r: TraceEntry) -> tuple | None:
+        """The norm call whose statistics ``r`` went through: its own for a norm's output or
+        input gradient; for a child's forward input, its parent's where the parent is a norm
+        whose own code normalized it (timm's BatchNormAct2d calls F.batch_norm, then its
+        ``drop`` and ``act`` children: drop's input is the norm's result, which a compiled
+        target's fused reduction computes in another order); None for anything else."""
+        if through_norm(r):
+            return (r.step, r.module, r.call)
+        if r.phase != "forward" or not r.slot.startswith("input"):
+            return None
+        call = self.ref_index.parent_of(r)
+        outs = self.ref_index.fwd_out.get(call, ()) if call is not None else ()
+        if not any(o.meta.get("norm_dims") and list(o.shape) == list(r.shape) for o in outs):
+            return None
+        # not the norm's own input handed on as it is (its statistics the same)
+        if any(list(x.shape) == list(r.shape) and x.stats == r.stats
+               for x in self.ref_index.fwd_in.get(call, ())):
+            return None
+        return call
+
     def _norm_k(self, r: TraceEntry) -> int | None:
         """The length of a norm call's groups (what its mean and variance sum over) for its
-        output and its input gradients, from the layout its forward output recorded; None for
-        other entries and where no layout was recorded (or it does not fit the shape)."""
-        if not through_norm(r):
+        output and its input gradients (and a child's input its code normalized: _norm_call),
+        from the layout its forward output recorded; None for other entries and where no
+        layout was recorded (or it does not fit the shape)."""
+        call = self._norm_call(r)
+        if call is None:
             return None
-        out = next((e for e in self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
-                    if e.meta.get("norm_dims")), None)
+        out = next((e for e in self.ref_index.fwd_out.get(call, ()) if e.meta.get("norm_dims")), None)
         if out is None:
             return None
         return group_length(list(out.shape), out.meta["norm_dims"], out.meta.get("norm_groups"))

@@ -301,10 +301,16 @@ class Scales:
     def _norm_gain(self, r: TraceEntry) -> tuple[float, float]:
         """rms/std of a mean-subtracting norm's input (meta ``norm_gain`` of its output, and of
         its worst group ``norm_gain_max``): the factor by which subtracting the mean amplifies
-        the error of its input, for its outputs and its input gradients; 1 for anything else."""
-        if r.phase not in ("forward", "backward") or r.slot.startswith(("input", "grad_output")):
+        the error of its input, for its outputs and its input gradients, and for a child's
+        input that its parent norm's code normalized (_norm_call); 1 for anything else."""
+        if r.phase not in ("forward", "backward") or r.slot.startswith("grad_output"):
             return 1.0, 1.0
-        outs = self.ref_index.fwd_out.get((r.step, r.module, r.call), ())
+        call = (r.step, r.module, r.call)
+        if r.slot.startswith("input"):
+            call = self._norm_call(r)
+            if call is None:
+                return 1.0, 1.0
+        outs = self.ref_index.fwd_out.get(call, ())
         g = max((float(e.meta.get("norm_gain") or 1.0) for e in outs), default=1.0)
         return g, max([g] + [float(e.meta.get("norm_gain_max") or 1.0) for e in outs])
 
