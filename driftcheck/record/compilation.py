@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.record.taps import AROUND_GRAPH, FORWARD_FRAME
+from driftcheck.record.taps import AROUND_GRAPH, FORWARD_CALL_LINES, FORWARD_FRAME
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the driftcheck package
 _TAPS = os.path.join(_OURS, "record", "taps.py")
+_TAPS_NAME = os.path.join("record", "taps.py")  # as a stack names it, absolute or not
 
 
 def settings(backend: str | None, mode: str | None = None, dynamic: bool | None = None,
@@ -205,9 +206,11 @@ def _forward_frame(metrics: Any) -> bool:
 
 def _our_line(text: str) -> str | None:
     """The innermost place in driftcheck's capture code that ``text`` (a stack) names; a
-    forward_tap calling the module's forward is the model's place, not the capture's."""
+    forward_tap calling the module's forward is the model's place, not the capture's (named as
+    a frame of the stack, or as the place of a break whose stack Dynamo left out as a repeat)."""
     hits = [m for m in _OUR_FILE.finditer(text) if (m.group(1).startswith(_OURS) or
-            not os.path.isabs(m.group(1))) and not text.startswith(f", in {FORWARD_FRAME}", m.end())]
+            not os.path.isabs(m.group(1))) and not text.startswith(f", in {FORWARD_FRAME}", m.end())
+            and not (m.group(1).endswith(_TAPS_NAME) and int(m.group(2)) in FORWARD_CALL_LINES)]
     if not hits:
         return None
     path, line = hits[-1].group(1), hits[-1].group(2)

@@ -210,6 +210,9 @@ def _hook_outputs(tid: int, name: str, outputs: list[tuple[str, Any]], call: tor
 
 # -- a module's forward compiled as a frame of its own ------------------------------------------
 FORWARD_FRAME = "tap_forward_"  # the code name of each forward_tap (one code object per module)
+# The lines where a forward_tap calls the module's forward: a graph break placed there is the
+# module's own (an nn.LSTM, which Dynamo does not trace), not the capture's (record/compilation.py)
+FORWARD_CALL_LINES: set[int] = set()
 _MISSING = object()
 
 
@@ -252,6 +255,7 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
             _tap_outputs(tid, name, root_grads, output, frame)
             return output
 
+    FORWARD_CALL_LINES.add(tap_forward.__code__.co_firstlineno + 1)  # its body's first line
     own = tap_forward.__code__.replace(co_name=frame)
     fn = types.FunctionType(own, tap_forward.__globals__, own.co_name, None, tap_forward.__closure__)
     fn = functools.update_wrapper(fn, wrapped)  # its signature is the forward's (Trainer reads it)

@@ -149,6 +149,36 @@ def test_the_models_own_graph_breaks_are_information(tmp_path: Path) -> None:
     assert found and all(f["severity"] == "warning" for f in found)
 
 
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.rnn, self.out = nn.Linear(8, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x):
+        v, _ = self.rnn(self.fc(x))
+        return self.out(v.mean(1))
+
+
+def test_a_break_at_a_module_dynamo_does_not_trace_is_the_models(tmp_path: Path) -> None:
+    """timm's Sequencer under the corpus's compiled targets: Dynamo breaks at every nn.LSTM
+    ("Attempted to wrap RNN, GRU, or LSTM"), untraced too. The break's place is the forward
+    tap's call of the LSTM's forward (a repeat's stack left out, only that place named), which
+    was reported as the capture's own break, an error failing the gate."""
+    from driftcheck import Scenario
+    from driftcheck.record.runner import record
+
+    torch.manual_seed(0)
+    sc = Scenario(model=_Recurrent(), inputs=[torch.randn(2, 5, 8) for _ in range(2)],
+                  loss=lambda o, x: o.pow(2).mean(), optimizer=lambda p: torch.optim.AdamW(p, 1e-3), steps=2)
+    out = record(sc, tmp_path / "rnn", force=True, compile={"backend": "aot_eager", "mode": None, "dynamic": None})
+    reader = TraceReader(out)
+    assert reader.run["compile"]["graph_breaks"] >= 2  # both steps' calls of the LSTM
+    breaks = [f for f in reader.manifest["findings"] if f["kind"] == "compile.graph_break"]
+    assert breaks and all(f["severity"] == "warning" for f in breaks), breaks
+    assert any("LSTM" in f["message"] for f in breaks)
+    assert any(e["key"] == "0/backward/rnn/0/grad_input.0" for e in reader.entries)
+
+
 def test_a_fault_inside_the_compiled_graph_is_found_where_it_enters(tmp_path: Path) -> None:
     from driftcheck import faults
 
