@@ -105,6 +105,14 @@ class Account:
         self._breaks = dict(counters["graph_break"])
         self._graphs = int(counters["stats"].get("unique_graphs", 0))
         self._metrics = len(get_compilation_metrics())
+        # Random numbers drawn inside a graph (torch.rand in a drop path, timm's and BEiT's
+        # stochastic depth) from the run's generator as eager code draws them, not from
+        # inductor's own Philox streams: a compiled target then draws the eager reference's
+        # (as DropoutControl's masks), or every such call differs for no numeric reason.
+        import torch._inductor.config as inductor_config
+
+        self._random = (inductor_config, inductor_config.fallback_random)
+        inductor_config.fallback_random = True
         # Each break's user stack (Dynamo's graph_breaks log, read without printing it):
         # a break whose stack passes through the tracer's code is the capture's.
         self._stacks: list[str] = []
@@ -118,6 +126,8 @@ class Account:
         return self
 
     def stop(self) -> None:
+        config, before = self._random
+        config.fallback_random = before
         self._log.removeHandler(self._handler)
         self._log.setLevel(self._saved[0])
         self._log.propagate = self._saved[1]

@@ -179,6 +179,46 @@ def test_a_break_at_a_module_dynamo_does_not_trace_is_the_models(tmp_path: Path)
     assert any(e["key"] == "0/backward/rnn/0/grad_input.0" for e in reader.entries)
 
 
+class _DropPath(nn.Module):
+    """Stochastic depth as timm and Hugging Face's BEiT write it: torch.rand in the forward."""
+
+    def forward(self, x):
+        keep = (0.7 + torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device)).floor_()
+        return x / 0.7 * keep
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 8), _DropPath(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(x + self.drop(self.fc1(x)))
+
+
+def test_random_numbers_drawn_inside_an_inductor_graph_are_the_eager_ones(tmp_path: Path) -> None:
+    """hf_beit against an inductor target (bench/zoo.py --compile) failed at its drop path
+    (1.5e6 floors): inductor drew torch.rand from its own Philox streams. A compiled record
+    makes inductor draw from the run's generator (fallback_random), as eager code does."""
+    from driftcheck import Scenario
+    from driftcheck.record.runner import record
+
+    def build():
+        torch.manual_seed(0)
+        return Scenario(model=_Residual(), inputs=[torch.randn(16, 8) for _ in range(2)],
+                        loss=lambda o, x: o.pow(2).mean(),
+                        optimizer=lambda p: torch.optim.AdamW(p, 1e-3), steps=2)
+
+    ref = record(build(), tmp_path / "ref", force=True)
+    tgt = record(build(), tmp_path / "tgt", replay=ref, force=True,
+                 compile={"backend": "inductor", "mode": None, "dynamic": None})
+    rep = compare(str(ref), str(tgt))
+    assert rep.verdict == "pass", rep.decided_by
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config.fallback_random is False  # the user's setting, back after the record
+
+
 def test_a_fault_inside_the_compiled_graph_is_found_where_it_enters(tmp_path: Path) -> None:
     from driftcheck import faults
 
