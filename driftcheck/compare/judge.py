@@ -167,7 +167,7 @@ class Judging:
         if r.phase == "grads":
             k = meta.get("k") or self._grad_terms(r)
         elif r.phase == "backward" and r.slot.startswith("grad_output"):
-            k = None  # made by the code that consumed the output, not by this module
+            k = self._consumer_terms(r)  # made by the code that consumed the output, not by this module
         else:
             k = meta.get("k") or self._norm_k(r)
         # A norm subtracting a mean far above the spread amplifies its input's error (and its

@@ -170,6 +170,22 @@ class Magnitudes:
                 n += e.stats.get("numel") or 0
         return momentum * math.sqrt(x2 / n) if n else 0.0
 
+    def _consumer_terms(self, r: TraceEntry) -> int | None:
+        """K of the sum that made a module's output gradient in its parent's own code, where that
+        code maps the output's last dimension to another: the backward of such a map (a matmul
+        in the parent's code: Mixtral's experts call act_fn, then F.linear on their down_proj
+        slice) sums over the last dimension of the parent's output gradient, in an order that
+        threads and kernels choose (hf_mixtral, 2 threads on an AMD EPYC: act_fn's output
+        gradient at 3.5 floors with the sum left out). None where the last dimensions agree
+        (elementwise code around the module, or a sibling's input gradient)."""
+        call = self.ref_index.parent_of(r)
+        if call is None or len(r.shape) < 2:
+            return None
+        g = next(iter(self.ref_index.gout.get(call, ())), None)
+        if g is None or len(g.shape) < 2 or g.shape[-1] == r.shape[-1]:
+            return None
+        return int(g.shape[-1])
+
     def _grad_terms(self, r: TraceEntry) -> int | None:
         """How many terms each element of a parameter gradient sums (K of its accumulation):
         per call, the output gradient's elements per output channel (batch x positions for a

@@ -95,6 +95,42 @@ def prepare_optimizer(optimizer: Any, compile: dict[str, Any] | None) -> list[st
     return changed
 
 
+def _live_instance_dicts() -> Any:
+    """Make Dynamo's view of an object's ``__dict__`` read the side-effect table in use, not the
+    one it was made with; returns the undo. A tap's ``register_hook`` on a tensor made in the
+    graph is traced as a subgraph, after which Dynamo restores its side-effect table from a
+    copy (torch 2.13: ``speculate_subgraph(restore_side_effects=True)``); an object made
+    before the tap (a Hugging Face ModelOutput, any Python object) still wrote its attribute
+    assignments into the old table, and reads came from the new one: CLIP's
+    ``text_outputs.pooler_output = self.text_projection(...)`` was lost, the traced compiled
+    model computed its embeddings from the unprojected outputs (an observer effect). Nothing
+    to do where Dynamo has no such class or already reads the live table."""
+    try:
+        from torch._dynamo.variables.dicts import SideEffectsProxyDict as cls
+    except ImportError:
+        return lambda: None
+    if "side_effects" in vars(cls) or "__init__" not in vars(cls):
+        return lambda: None
+    init = cls.__init__
+
+    def __init__(self: Any, item: Any, tx: Any) -> None:
+        self._driftcheck_output = tx.output
+        init(self, item, tx)
+
+    def live(self: Any) -> Any:
+        return self._driftcheck_output.side_effects
+
+    prop = property(live, lambda self, value: None)  # its own __init__ sets it: ignored
+    cls.__init__, cls.side_effects = __init__, prop
+
+    def undo() -> None:  # once, however often stop() is called
+        if vars(cls).get("side_effects") is prop:
+            cls.__init__ = init
+            del cls.side_effects
+
+    return undo
+
+
 class Account:
     """Dynamo's counters over one record: ``start()`` before the first step, ``result()``
     after the last (the counters are process-wide; the difference is this run's)."""
@@ -113,6 +149,7 @@ class Account:
 
         self._random = (inductor_config, inductor_config.fallback_random)
         inductor_config.fallback_random = True
+        self._unpatch = _live_instance_dicts()
         # Each break's user stack (Dynamo's graph_breaks log, read without printing it):
         # a break whose stack passes through the tracer's code is the capture's.
         self._stacks: list[str] = []
@@ -128,6 +165,7 @@ class Account:
     def stop(self) -> None:
         config, before = self._random
         config.fallback_random = before
+        self._unpatch()
         self._log.removeHandler(self._handler)
         self._log.setLevel(self._saved[0])
         self._log.propagate = self._saved[1]

@@ -10,6 +10,10 @@ from rich.table import Table
 from driftcheck.report import Report
 from driftcheck.report.common import conclusion, module_label, root_cause_lines
 
+# Warnings of one kind printed module by module before the rest are folded into one line (a
+# compiled target's capture gaps: one per Dropout of a model); errors are all printed.
+WARNINGS_PER_KIND = 3
+
 
 def _ratio(r: float | None) -> str:
     if r is None:
@@ -62,7 +66,13 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
     groups: dict[tuple[str, str, str], list] = {}
     for f in report.findings:  # one line per kind and module; the steps listed
         groups.setdefault((f.kind, f.module, f.severity), []).append(f)
+    shown: dict[str, int] = {}
+    folded: dict[str, list[str]] = {}
     for (kind, module, severity), fs in groups.items():
+        if severity != "error" and shown.get(kind, 0) >= WARNINGS_PER_KIND:
+            folded.setdefault(kind, []).append(module_label(module))  # the JSON/HTML list all
+            continue
+        shown[kind] = shown.get(kind, 0) + 1
         color = "red" if severity == "error" else "yellow"
         steps = sorted({f.step for f in fs if f.step is not None})
         msg = fs[0].message
@@ -73,6 +83,10 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
         who = f" {escape(module_label(module))}" if module or steps else ""
         console.print(f"[{color}]{escape(kind)}[/]{who}{where}: {escape(msg)}",
                       highlight=False, soft_wrap=True)
+    for kind, modules in folded.items():
+        console.print(f"[yellow]{escape(kind)}[/]: the same warning at {len(modules)} more "
+                      f"module(s) ({escape(', '.join(modules[:3]))}{', ...' if len(modules) > 3 else ''}); "
+                      "--json and the HTML report list each", highlight=False, soft_wrap=True)
     for w in report.warnings:
         console.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
 

@@ -385,3 +385,56 @@ def test_smooth_activations_are_told_from_piecewise_ones():
         assert smooth_activation(name), name
     for name in ("ReLU", "LeakyReLU", "ReLU6", "PReLU", "Hardswish", "Hardsigmoid", "Linear", None):
         assert not smooth_activation(name), name
+
+
+# -- an output gradient the parent's own code sums: a matmul after the module, in other order ------
+class _ExactDown(torch.autograd.Function):
+    """F.linear whose input gradient sums in float64 (then rounds): the same sum as the float32
+    kernel's, in another order and rounding (as another thread count or kernel gives)."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return F.linear(h, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        return (g.double() @ w.double()).float(), g.flatten(0, -2).t() @ h.flatten(0, -2)
+
+
+class _Experts(nn.Module):
+    """Mixtral's experts: the activation a module, the projections functional on the parent's
+    own weights (``exact``: the down projection's input gradient summed another way)."""
+
+    def __init__(self, exact: bool = False, hidden: int = 1024) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(64, hidden) / hidden ** 0.5)
+        self.down = nn.Parameter(torch.randn(hidden, 64) / 8)
+        self.act, self.exact = nn.SiLU(), exact
+
+    def forward(self, x):
+        h = self.act(F.linear(x, self.up))
+        return _ExactDown.apply(h, self.down) if self.exact else F.linear(h, self.down)
+
+
+def _experts(exact: bool) -> Scenario:
+    return _scenario(lambda: nn.Sequential(_Experts(exact), nn.LayerNorm(1024)),
+                     lambda g: torch.randn(64, 1024, generator=g), lambda out, x: out.pow(2).mean())
+
+
+def test_an_output_gradient_summed_by_the_parents_code_has_that_sums_floor(tmp_path):
+    """hf_mixtral's act_fn output gradient between 1 and 2 threads (an AMD EPYC): 3.5 floors. Its
+    parent's code made it by a matmul over the hidden dimension (F.linear on down_proj[e]) that
+    no module records; the floor took one rounding. It now takes the sum over the parent's
+    output gradient's last dimension (K = 1024 here)."""
+    ref, tgt, bad = tmp_path / "ref", tmp_path / "tgt", tmp_path / "bad"
+    record(_experts(False), ref, force=True)
+    record(_experts(True), tgt, replay=ref, force=True)
+    rep = compare(ref, tgt)
+    assert rep.verdict == "pass", rep.decided_by
+    g = next(e for e in rep.entries if e.key == "0/backward/0.act/0/grad_output")
+    assert g.details["floor"]["k"] == 1024 and g.metrics["rms"] > 0
+    record(_experts(True), bad, replay=ref, force=True, target_hooks=scale_output("0.act", 1.001))
+    rep = compare(ref, bad)
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "0.act", rep.decided_by

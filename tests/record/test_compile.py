@@ -219,6 +219,65 @@ def test_random_numbers_drawn_inside_an_inductor_graph_are_the_eager_ones(tmp_pa
     assert inductor_config.fallback_random is False  # the user's setting, back after the record
 
 
+class _Pooled:
+    """A model output object (as Hugging Face's ModelOutput) made in the forward."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden, self.pooled = hidden, hidden[:, 0]
+
+
+class _Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return _Pooled(self.fc(x))
+
+
+class _Projected(nn.Module):
+    """CLIP's get_text_features: the tower's output object, its pooled tensor replaced by its
+    projection after the tower's hooks ran, and read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower, self.proj = _Tower(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.tower(x)
+        out.pooled = self.proj(out.pooled)
+        return out.pooled
+
+
+def test_an_attribute_set_after_a_tap_is_read_back_in_the_graph(tmp_path: Path) -> None:
+    """hf_clip against a compiled target (bench/zoo.py --compile) failed every control: torch
+    2.13's Dynamo traces a tap's register_hook as a subgraph and restores its side-effect table
+    after, and an object made before the tap kept writing its attribute assignments into the
+    old table: the traced graph returned the unprojected pooled tensor ([6, 16], not [6, 4]).
+    A compiled record makes Dynamo read the live table (record/compilation.py)."""
+    from torch._dynamo.variables import dicts
+
+    def step(out: Path | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = _Projected()
+        fwd = torch.compile(model, backend="aot_eager")
+        x = torch.randn(6, 3, 8)
+        if out is None:
+            y = fwd(x)
+        else:
+            with driftcheck.trace(fwd, str(out), force=True) as t:
+                y = fwd(x)
+                y.square().mean().backward()
+                t.step(y.square().mean())
+        torch._dynamo.reset()
+        return y.detach()
+
+    plain, traced = step(None), step(tmp_path / "t")
+    assert plain.shape == traced.shape == (6, 4)
+    assert torch.equal(traced, plain)
+    assert "side_effects" not in vars(dicts.SideEffectsProxyDict)  # Dynamo as it was, after
+
+
 def test_a_fault_inside_the_compiled_graph_is_found_where_it_enters(tmp_path: Path) -> None:
     from driftcheck import faults
 

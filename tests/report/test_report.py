@@ -88,3 +88,30 @@ def test_a_report_saved_without_limits_gets_them_from_its_policy():
     back = Report.from_dict(doc)
     assert back.entries[0].limit == 9.0
     assert back.findings[0].gate == "ignored" and back.findings[0].details["ignored"] == "known"
+
+
+def test_the_terminal_folds_many_warnings_of_a_kind_and_prints_every_error():
+    """A compiled target's capture gaps come one per Dropout of the model (Hugging Face's
+    TimeSformer: 16): past the third module the terminal names them in one line; errors are
+    never folded."""
+    import io
+
+    from rich.console import Console
+
+    from driftcheck.report.terminal import WARNINGS_PER_KIND, render_terminal
+
+    gaps = [Finding("compile.capture_gap", f"layer.{i}.dropout", 0, "2 gradient(s) not judged",
+                    severity="warning") for i in range(WARNINGS_PER_KIND + 4)]
+    errors = [Finding("view.alias_lost", f"block.{i}", 0, "lost") for i in range(WARNINGS_PER_KIND + 2)]
+    rep = Report(verdict="fail", reference={"device": "cpu"}, target={"device": "cpu"},
+                 first_divergence=None, entries=[_entry("a", 1.0)], findings=gaps + errors, limit=3.5)
+    out = io.StringIO()
+    render_terminal(rep, Console(file=out, width=400, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert [ln for ln in lines if ln.startswith("compile.capture_gap layer.")] == \
+        [f"compile.capture_gap layer.{i}.dropout step 0: 2 gradient(s) not judged"
+         for i in range(WARNINGS_PER_KIND)]
+    folded = [ln for ln in lines if ln.startswith("compile.capture_gap: ")]
+    assert len(folded) == 1 and "at 4 more module(s) (layer.3.dropout, layer.4.dropout, " \
+        "layer.5.dropout, ...)" in folded[0]
+    assert sum(ln.startswith("view.alias_lost block.") for ln in lines) == len(errors)
