@@ -69,10 +69,11 @@ def render_terminal(report: Report, console: Console, *, top: int = 10, quiet: b
     shown: dict[str, int] = {}
     folded: dict[str, list[str]] = {}
     for (kind, module, severity), fs in groups.items():
-        if severity != "error" and shown.get(kind, 0) >= WARNINGS_PER_KIND:
-            folded.setdefault(kind, []).append(module_label(module))  # the JSON/HTML list all
-            continue
-        shown[kind] = shown.get(kind, 0) + 1
+        if severity != "error":  # only warnings are folded, and only warnings count
+            if shown.get(kind, 0) >= WARNINGS_PER_KIND:
+                folded.setdefault(kind, []).append(module_label(module))  # the JSON/HTML list all
+                continue
+            shown[kind] = shown.get(kind, 0) + 1
         color = "red" if severity == "error" else "yellow"
         steps = sorted({f.step for f in fs if f.step is not None})
         msg = fs[0].message
