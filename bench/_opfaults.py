@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from driftcheck import opfaults
+from driftcheck.targets import opfaults
 from driftcheck.compare import compare
 from driftcheck.drill import drill, point_of
 from driftcheck.drill.side import Point
 from driftcheck.errors import DriftcheckError
 from driftcheck.loader import load_scenario
 from driftcheck.record.runner import record
-from driftcheck.signatures import attach
+from driftcheck.gate.signatures import attach
 
 SDPA = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
         "_softmax"}
@@ -143,7 +143,7 @@ def _run_repro(script: Path, name: str, kw: dict[str, Any], work: Path) -> tuple
     """The repro in a fresh process: with the fault as the process's backend, and without."""
     site = work / "faulty-backend"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text("from driftcheck.opfaults import install_from_env\n"
+    (site / "sitecustomize.py").write_text("from driftcheck.targets.opfaults import install_from_env\n"
                                            "install_from_env()\n", encoding="utf-8")
     spec = SPEC_OF.get(name, lambda _: name)(kw)
     root = str(Path(__file__).resolve().parents[1])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from driftcheck import stats
+from driftcheck.numerics import stats
 from driftcheck.store import TraceWriter
 
 

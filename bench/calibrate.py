@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
 from driftcheck.store.format import PHASES  # noqa: E402
 from driftcheck.loader import load_scenario  # noqa: E402
-from driftcheck.policy import DEFAULT_LIMIT  # noqa: E402
+from driftcheck.gate.policy import DEFAULT_LIMIT  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
 
 

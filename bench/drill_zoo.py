@@ -22,13 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402  (the corpus; puts bench/.zoo-site on sys.path)
 
-from driftcheck import opfaults  # noqa: E402
+from driftcheck.targets import opfaults  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
 from driftcheck.drill import drill, point_of  # noqa: E402
 from driftcheck.drill.side import Point  # noqa: E402
 from driftcheck.loader import load_scenario  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
-from driftcheck.signatures import attach  # noqa: E402
+from driftcheck.gate.signatures import attach  # noqa: E402
 
 SAMPLE = ("tv_resnet", "tv_mobilenet_v3_small", "tv_vit", "tv_swin", "tv_convnext", "tv_raft_small",
           "timm_vit", "timm_convnext", "timm_efficientnet", "timm_levit", "timm_mixer",

@@ -15,7 +15,7 @@ import copy
 
 from _common import best_time, llama_scenario, markdown_table, params, parse_args
 
-from driftcheck.emulate import LEVELS, emulate_tpu
+from driftcheck.targets.emulate import LEVELS, emulate_tpu
 
 
 def step_time(scenario, level: str | None, repeats: int) -> float:

@@ -4,7 +4,7 @@ introduced them, and stay quiet under legitimate noise?
 For every built-in model: record the reference (CPU fp32), the truth (CPU fp64) and a clean
 target (CPU bf16, with local replay); measure each entry's floor on the clean comparison; then
 record one target per fault, each injected into one named module of the target run only
-(driftcheck.faults), and compare it three ways (reference, target, truth). A fault is
+(driftcheck.targets.faults), and compare it three ways (reference, target, truth). A fault is
 *detected* when the verdict fails, *localized* when the first divergence is in the injected
 module. Its *size* is measured independently of the judge: the faulty target minus the clean
 target at the injected entry (step 0; identical upstream, so exactly the perturbation), in units
@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import torch
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 from driftcheck.record.runner import record
 from driftcheck.store import TraceReader
 

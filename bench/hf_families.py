@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from driftcheck.compare import compare  # noqa: E402
-from driftcheck.faults import scale_output  # noqa: E402
+from driftcheck.targets.faults import scale_output  # noqa: E402
 from driftcheck.loader import load_scenario  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
 from driftcheck.store import TraceReader  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
 from driftcheck.record.runner import record

@@ -33,7 +33,7 @@ import zoo  # noqa: F401  (sys.path, the corpus' catalogue)
 import torch  # noqa: E402
 
 from driftcheck.compare import compare  # noqa: E402
-from driftcheck.faults import scale_output  # noqa: E402
+from driftcheck.targets.faults import scale_output  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
 
 FACTOR = zoo.FACTOR

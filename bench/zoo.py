@@ -62,7 +62,7 @@ from torch import nn  # noqa: E402
 import zoo_models  # noqa: E402  (puts bench/.zoo-site on sys.path first)
 from kernel_check import wrong_bf16_convs  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
-from driftcheck.faults import scale_output  # noqa: E402
+from driftcheck.targets.faults import scale_output  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
 from driftcheck.scenario import Scenario, call_model  # noqa: E402
 from driftcheck.store import TraceReader  # noqa: E402

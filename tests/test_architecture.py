@@ -79,15 +79,15 @@ def test_renderers_import_no_policy():
     modules = _modules()
     renderers = [m for m in modules if m.startswith("driftcheck.report.")]
     assert len(renderers) >= 5
-    judged = {m: sorted(i for i in _imports(modules[m], modules) if i == "driftcheck.policy")
+    judged = {m: sorted(i for i in _imports(modules[m], modules) if i == "driftcheck.gate.policy")
               for m in renderers}
     assert {m: v for m, v in judged.items() if v} == {}
 
 
 def test_numerics_load_no_cli_or_rendering_library():
     code = ("import sys\n"
-            "import driftcheck.dtypes, driftcheck.floor, driftcheck.metrics, driftcheck.kernels\n"
-            "import driftcheck.stats, driftcheck.compare\n"
+            "import driftcheck.numerics.dtypes, driftcheck.numerics.floor, driftcheck.numerics.metrics, driftcheck.numerics.kernels\n"
+            "import driftcheck.numerics.stats, driftcheck.compare\n"
             "print(sorted(m for m in ('click', 'rich', 'jinja2', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -95,7 +95,7 @@ def test_numerics_load_no_cli_or_rendering_library():
 
 def test_store_format_and_policy_load_without_torch():
     """The policy and the renderers read the trace format's phases: no torch behind them."""
-    code = ("import sys\nimport driftcheck.store.format, driftcheck.policy, driftcheck.report\n"
+    code = ("import sys\nimport driftcheck.store.format, driftcheck.gate.policy, driftcheck.report\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -297,7 +297,7 @@ def test_options_that_change_nothing_say_so(tmp_path, capsys):
 
 def test_run_knows_the_dtype_names_without_torch():
     """record/run.py spells out the --dtype names to stay torch-free: they must be dtypes'."""
-    from driftcheck import dtypes
+    from driftcheck.numerics import dtypes
     from driftcheck.record.run import DTYPE_NAMES
 
     assert set(DTYPE_NAMES) == set(dtypes.CLI_DTYPES)

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from driftcheck import devices
-from driftcheck.devices import describe, open_device, parse_device, synchronize
+from driftcheck.targets import devices
+from driftcheck.targets.devices import describe, open_device, parse_device, synchronize
 from driftcheck.errors import DriftcheckError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -61,7 +61,7 @@ def test_parse_device_rejects_bad_syntax(spec: str, fragment: str) -> None:
 
 def test_parse_device_does_not_import_torch() -> None:
     code = (
-        "import sys; from driftcheck.devices import parse_device; parse_device('tpu:1');"
+        "import sys; from driftcheck.targets.devices import parse_device; parse_device('tpu:1');"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -71,7 +71,7 @@ def test_parse_device_does_not_import_torch() -> None:
 def _env_after_prepare(device_type: str, preset: str | None) -> dict:
     code = (
         "import os, sys, json\n"
-        "from driftcheck.devices import prepare_environment\n"
+        "from driftcheck.targets.devices import prepare_environment\n"
         f"prepare_environment({device_type!r})\n"
         "value = os.environ.get('TORCH_DEVICE_BACKEND_AUTOLOAD')\n"
         "import torch\n"

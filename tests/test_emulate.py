@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftcheck.emulate import LEVELS, TpuMatmul, emulate_tpu, level_of, split
+from driftcheck.targets.emulate import LEVELS, TpuMatmul, emulate_tpu, level_of, split
 
 aten = torch.ops.aten
 
@@ -149,7 +149,7 @@ def test_emulated_runs_of_every_builtin_pass(traces, tmp_path, model, level):
 def test_a_defect_under_emulation_is_caught_at_its_module(traces, tmp_path):
     from conftest import a_middle_linear, record_builtin
     from driftcheck.compare import compare
-    from driftcheck.faults import scale_output
+    from driftcheck.targets.faults import scale_output
 
     mod = a_middle_linear("llama")
     bad = record_builtin("llama", tmp_path / "bad", replay=traces["llama"]["fp32"], emulate="default",

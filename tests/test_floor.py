@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from driftcheck import floor as fl
-from driftcheck.floor import Floor, FloorInputs
+from driftcheck.numerics import floor as fl
+from driftcheck.numerics.floor import Floor, FloorInputs
 
 U32, U16B, U8 = 2.0**-24, 2.0**-8, 2.0**-4  # fp32, bf16, fp8 e4m3
 INF, NAN = math.inf, math.nan

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from driftcheck import fp8
+from driftcheck.targets import fp8
 from driftcheck.errors import DriftcheckError
-from driftcheck.fp8 import Fp8Recipe, compute_scale, enable_fp8, quantize
+from driftcheck.targets.fp8 import Fp8Recipe, compute_scale, enable_fp8, quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U_E4M3, U_E5M2, U_BF16 = 2.0**-4, 2.0**-3, 2.0**-8

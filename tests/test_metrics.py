@@ -1,4 +1,4 @@
-"""driftcheck.metrics: hand-computed tables (bf16/fp8 ULPs, subnormals, zero, inf/nan, integers)
+"""driftcheck.numerics.metrics: hand-computed tables (bf16/fp8 ULPs, subnormals, zero, inf/nan, integers)
 and property tests that results do not depend on the chunk size."""
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.dtypes import coarser, default_tolerances, unit_roundoff
-from driftcheck.metrics import (
+from driftcheck.numerics.dtypes import coarser, default_tolerances, unit_roundoff
+from driftcheck.numerics.metrics import (
     ErrorAccumulator,
     error_histogram,
     tensor_error,
     ulp,
 )
-from driftcheck.metrics import _as_array, _flat_chunks, _Sum
+from driftcheck.numerics.metrics import _as_array, _flat_chunks, _Sum
 
 INF, NAN = math.inf, math.nan
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -570,7 +570,7 @@ def test_summary_stats_without_finite_values():
 
 
 def test_summary_stats_agrees_with_record_time_stats():
-    from driftcheck.stats import FIELDS, stats_vector
+    from driftcheck.numerics.stats import FIELDS, stats_vector
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 300, generator=g) * 3 + 1
@@ -588,7 +588,7 @@ def test_kernels_work_without_a_writable_cache_location():
     import subprocess
     import sys
 
-    code = ("import torch; from driftcheck import kernels; from driftcheck.metrics import "
+    code = ("import torch; from driftcheck.numerics import kernels; from driftcheck.numerics.metrics import "
             "tensor_error; print(tensor_error(torch.ones(3), torch.full((3,), 1.5))['max_abs'], "
             "type(kernels.finite_pass._cache).__name__)")
     env = dict(os.environ, NUMBA_CACHE_LOCATOR_CLASSES="_IPythonCacheLocator")

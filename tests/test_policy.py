@@ -7,9 +7,9 @@ import textwrap
 import pytest
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.policy import DEFAULT_LIMIT, Policy
+from driftcheck.gate.policy import DEFAULT_LIMIT, Policy
 from driftcheck.store.format import kind_matches
-from driftcheck.report import Finding
+from driftcheck.gate.report import Finding
 
 POLICY = """
 limit = 5

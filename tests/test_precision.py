@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from driftcheck import precision
+from driftcheck.targets import precision
 from driftcheck.errors import DriftcheckError
-from driftcheck.precision import (
+from driftcheck.targets.precision import (
     apply_settings,
     capture_settings,
     diff_settings,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from driftcheck import simulate
+from driftcheck.targets import simulate
 from driftcheck.errors import DriftcheckError
 from driftcheck.cli import probe_main
 from driftcheck.probe import PROGRAMS, ProbeResult, run_probe

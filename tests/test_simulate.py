@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftcheck.simulate import drop_view_writes, skip_batchnorm_stat_updates, views_become_copies
+from driftcheck.targets.simulate import drop_view_writes, skip_batchnorm_stat_updates, views_become_copies
 
 
 def _cnn():

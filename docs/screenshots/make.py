@@ -24,7 +24,7 @@ def reports(work: Path) -> dict[str, object]:
     from torch import nn
 
     from driftcheck.compare import compare
-    from driftcheck.faults import scale_output
+    from driftcheck.targets.faults import scale_output
     from driftcheck.loader import load_scenario
     from driftcheck.record.runner import record
 

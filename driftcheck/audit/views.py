@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from driftcheck import dtypes
-from driftcheck.report import Finding
+from driftcheck.numerics import dtypes
+from driftcheck.gate.report import Finding
 
 __all__ = ["ViewAudit", "compare_events"]
 

@@ -108,7 +108,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     """
     env = parse_env(env_vars, "--env")
     os.environ.update(env)  # before torch (and a backend package) is imported
-    from driftcheck import devices
+    from driftcheck.targets import devices
 
     if long_ and compile_backend:
         raise DriftcheckError("--long records eager steps; --compile is for a record of a few steps")
@@ -134,7 +134,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     torch_device = devices.open_device(device)
     emulate_level = None
     if emulate:
-        from driftcheck.emulate import level_of
+        from driftcheck.targets.emulate import level_of
 
         if dev_type not in ("cpu", "cuda"):
             raise DriftcheckError(f"--emulate tpu runs on a CPU or CUDA device, not {device!r}; on a TPU "
@@ -143,7 +143,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     elif matmul_precision == "default":
         matmul_precision = "medium"  # torch_tpu's name for torch's medium
     if matmul_precision and not emulate:
-        from driftcheck import precision
+        from driftcheck.targets import precision
 
         precision.apply_settings(matmul_precision=matmul_precision)
         if torch_device.type == "cpu" and not precision.cpu_matmul_precision_has_effect(matmul_precision):
@@ -226,7 +226,7 @@ def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: st
         raise DriftcheckError(f"--limit must be positive, got {limit}")
     from driftcheck.compare import compare as do_compare
     from driftcheck.compare.ranks import compare_ranks
-    from driftcheck.policy import Policy
+    from driftcheck.gate.policy import Policy
     from driftcheck.store.layout import is_multirank
 
     policy = Policy.load(policy_path, search_dir=".")
@@ -252,7 +252,7 @@ def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: st
 def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | None,
            junit_path: str | None, md_path: str | None) -> None:
     """Render a saved REPORT.json as HTML, JUnit or Markdown; exit code as the verdict."""
-    from driftcheck.report import Report
+    from driftcheck.gate.report import Report
 
     try:
         raw = Path(report_json).read_bytes()
@@ -282,7 +282,7 @@ def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | 
 @click.pass_obj
 def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
     """Run the view/in-place conformance suite on DEVICE against CPU; exit 1 on any mismatch."""
-    from driftcheck import devices
+    from driftcheck.targets import devices
 
     dev_type, _ = devices.parse_device(device)
     devices.prepare_environment(dev_type)
@@ -293,7 +293,7 @@ def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
 def probe_main(device: str, json_path: str | None = None, reference: str = "cpu",
                console: Any = None, fault: Any = None) -> int:
     """Run the suite, print its table, optionally write its JSON; the exit code (0 pass, 1 not).
-    ``fault``: a context-manager factory (driftcheck.simulate.*) around the device runs."""
+    ``fault``: a context-manager factory (driftcheck.targets.simulate.*) around the device runs."""
     from rich.console import Console
 
     from driftcheck.probe import probe_document, run_probe

@@ -37,7 +37,7 @@ def drill_report(report: Any, ref: str, target: str, out: Path, point: Any = Non
     """Drill ``report``'s first divergence (or ``point``) and put the root cause and the known
     signatures it matches into the report; returns the DrillResult."""
     from driftcheck.drill import drill
-    from driftcheck.signatures import attach
+    from driftcheck.gate.signatures import attach
 
     result = drill(ref, target, point=point, report=report, limit=limit, out=out)
     report.root_cause = result.root_cause
@@ -77,7 +77,7 @@ def drill_cmd(obj: _Ctx, ref: str, target: str, module: str | None, step: int | 
         raise DriftcheckError("--step needs --module (without it the first divergence names both)")
     from driftcheck.compare import compare
     from driftcheck.drill import point_of
-    from driftcheck.policy import Policy
+    from driftcheck.gate.policy import Policy
 
     with _progress(obj) as p:
         task = p.add_task("comparing", total=None)

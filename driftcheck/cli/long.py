@@ -46,7 +46,7 @@ def long_options(f: Any, *, record: bool) -> Any:
 def record_long_cmd(obj: Any, model: str, out: str, device: str, dtype: str, steps: int | None,
                     seed: int, replay: str | None, force: bool, autocast: str | None, every: int,
                     points_every: int | None, perturb: bool, simulate: str | None = None) -> None:
-    from driftcheck import devices
+    from driftcheck.targets import devices
     from driftcheck.loader import load_scenario
     from driftcheck.record.long import record_long
     from driftcheck.record.runner import parse_dtype

@@ -118,7 +118,7 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
             progress=p)
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
         from driftcheck.compare import compare as do_compare
-        from driftcheck.policy import Policy
+        from driftcheck.gate.policy import Policy
 
         task = p.add_task("comparing", total=None)
         report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,

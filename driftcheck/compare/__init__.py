@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from driftcheck import metrics as mx
+from driftcheck.numerics import metrics as mx
 from driftcheck.compare.entries import entries_of
 from driftcheck.compare.decisions import Decisions
 from driftcheck.compare.findings import Findings
@@ -25,8 +25,8 @@ from driftcheck.compare.propagation import Propagated
 from driftcheck.compare.scale import Scales
 from driftcheck.compare.verdict import Verdict
 from driftcheck.errors import DriftcheckError
-from driftcheck.policy import Policy
-from driftcheck.report import IGNORED, Entry, Finding, Report
+from driftcheck.gate.policy import Policy
+from driftcheck.gate.report import IGNORED, Entry, Finding, Report
 from driftcheck.store import format as fmt
 from driftcheck.store.format import base_slot, is_local_slot
 from driftcheck.store.reader import TraceReader
@@ -141,7 +141,7 @@ class Comparison(Judging, Inheritance, Decisions, Kinks, Scales, Magnitudes, Nor
         self._nonfinite_findings(entries)
         self._precision_findings()
         report = self._verdict(entries)
-        from driftcheck.signatures import attach
+        from driftcheck.gate.signatures import attach
 
         attach(report)  # the known defects its findings show (the drill adds the op-level ones)
         return report

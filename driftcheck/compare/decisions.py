@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.inheritance import _identical
-from driftcheck.report import Finding
-from driftcheck.stats import SAMPLE_SIZE
+from driftcheck.gate.report import Finding
+from driftcheck.numerics.stats import SAMPLE_SIZE
 
 FLIP_BASE = 0.05  # a share of computed indices that may always differ (no margins recorded)
 FLIP_BOUND_HITS = 3  # a sample with k flips: k + 3 bounds the count at 95% (Poisson)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable
 
-from driftcheck import dtypes
-from driftcheck.report import NONFINITE, Entry, Finding
+from driftcheck.numerics import dtypes
+from driftcheck.gate.report import NONFINITE, Entry, Finding
 
 
 class Findings:
@@ -156,7 +156,7 @@ class Findings:
 
     def _precision_findings(self) -> None:
         try:
-            from driftcheck.precision import diff_settings
+            from driftcheck.targets.precision import diff_settings
         except ImportError:  # pragma: no cover
             return
         rp, tp = self.ref.run.get("precision") or {}, self.tgt.run.get("precision") or {}

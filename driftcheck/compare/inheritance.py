@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from driftcheck import floor as fl
+from driftcheck.numerics import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.norms import through_norm

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from driftcheck import dtypes
-from driftcheck import metrics as mx
+from driftcheck.numerics import dtypes
+from driftcheck.numerics import metrics as mx
 from driftcheck.compare.entries import TraceEntry
 
 KINK_ZEROS = 0.1  # a ReLU-like gradient: this many zeros, as many as non-positive inputs (+-)

@@ -133,7 +133,7 @@ def module_distance(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def _unit(run: dict[str, Any]) -> float:
     """The coarser unit roundoff of a run's dtype and autocast dtype."""
-    from driftcheck import dtypes
+    from driftcheck.numerics import dtypes
 
     return max(dtypes.unit_roundoff(str(run.get("dtype") or "float32")),
                dtypes.unit_roundoff(str(run.get("autocast") or "float32")))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from driftcheck import dtypes
-from driftcheck import metrics as mx
+from driftcheck.numerics import dtypes
+from driftcheck.numerics import metrics as mx
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.store.reader import TraceReader
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from driftcheck import floor as fl
+from driftcheck.numerics import floor as fl
 
 
 class Propagated(NamedTuple):

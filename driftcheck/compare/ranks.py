@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir, rank_dirs
 

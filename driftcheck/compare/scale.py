@@ -7,14 +7,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck import dtypes
-from driftcheck import floor as fl
+from driftcheck.numerics import dtypes
+from driftcheck.numerics import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.kinks import KINK_NEAR, density_near_zero
 from driftcheck.compare.magnitude import LINEAR_STATE, SQUARED_STATE
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
-from driftcheck.report import Finding
+from driftcheck.gate.report import Finding
 from driftcheck.store.reader import TraceReader
 
 MATMUL_KINDS = ("linear", "conv", "composite")
@@ -27,7 +27,7 @@ def _matmul_roundoff(run: dict[str, Any], dtype: str, phase: str, kind: str | No
     settings = run.get("precision") or {}
     op = {"linear": "linear", "conv": "conv"}.get(kind or "", "matmul")
     try:
-        from driftcheck.precision import effective_matmul_roundoff
+        from driftcheck.targets.precision import effective_matmul_roundoff
 
         return effective_matmul_roundoff(settings, dtype, phase=phase, op=op)
     except (ImportError, TypeError, KeyError, ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Report, gate_state
+from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Report, gate_state
 
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
 

@@ -149,9 +149,9 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
                                first, ref_run=TraceReader(ref).run, tgt_run=tgt_run, limit=lim)
             result.repro = str(path)
             root["repro"] = str(path)
-        from driftcheck.report import _clean  # the reports' JSON spelling of inf/nan
+        from driftcheck.gate.jsonform import clean  # the reports' JSON spelling of inf/nan
 
-        (out / "drill.json").write_text(json.dumps(_clean(result.to_dict()), indent=1),
+        (out / "drill.json").write_text(json.dumps(clean(result.to_dict()), indent=1),
                                         encoding="utf-8")
     return result
 

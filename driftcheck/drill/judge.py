@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.drill.oplog import OpRecord, cast_to, decode_args, resolve_op
 
 
@@ -101,7 +101,7 @@ def _ideal(tgt: OpRecord, cast: list[torch.Tensor], emulate: str | None,
     wide = [x.to(_widen(x.dtype)) if x.is_floating_point() else x for x in cast]
     ctx: Any = contextlib.nullcontext()
     if emulate:
-        from driftcheck.emulate import emulate_tpu
+        from driftcheck.targets.emulate import emulate_tpu
 
         ctx = emulate_tpu(emulate)
     with ctx:
@@ -129,7 +129,7 @@ def _alternatives(tgt: OpRecord, ins: list[torch.Tensor], truth: torch.Tensor) -
         if wrong is not None and wrong.shape == truth.shape:
             alt["scales_wrong_axis"] = _rms(wrong - t64)
     if name in SUMS and ins and ins[0].is_floating_point() and 0 < ins[0].numel() <= 1 << 22:
-        from driftcheck.faults import _seq_sum
+        from driftcheck.targets.faults import _seq_sum
 
         x = ins[0]
         a, k = decode_args(tgt.spec, [x.clone()] + [i.clone() for i in ins[1:]])

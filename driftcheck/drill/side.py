@@ -242,7 +242,7 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     from driftcheck.store import TraceReader
     from driftcheck.store.replay import decode_batch, read_replay
 
-    from driftcheck import devices
+    from driftcheck.targets import devices
 
     run = TraceReader(trace).run
     device = devices.open_device(str(run.get("device", "cpu")))
@@ -267,7 +267,7 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     fp8_handle = None
     if run.get("fp8"):
-        from driftcheck import fp8 as fp8_mod
+        from driftcheck.targets import fp8 as fp8_mod
 
         fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(run["fp8"]))
     dropout = DropoutControl(seed)
@@ -276,12 +276,12 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
     contexts = contextlib.ExitStack()
     if run.get("simulated_backend"):
-        from driftcheck.simulate import backend
+        from driftcheck.targets.simulate import backend
 
         contexts.enter_context(backend(run["simulated_backend"]))
     level = (run.get("emulation") or {}).get("matmul_precision")
     if level:
-        from driftcheck.emulate import emulate_tpu
+        from driftcheck.targets.emulate import emulate_tpu
 
         contexts.enter_context(emulate_tpu(level))
     try:

@@ -109,10 +109,10 @@ class Gate:
 
     def _check(self, model: Any, golden: Path, *, steps: int | None, seed: int, mode: str,
                limit: float | None, local: bool) -> Any:
-        from driftcheck import devices
+        from driftcheck.targets import devices
         from driftcheck.compare import compare
         from driftcheck.loader import load_scenario
-        from driftcheck.policy import Policy
+        from driftcheck.gate.policy import Policy
         from driftcheck.record.runner import record
         from driftcheck.report.common import conclusion
         from driftcheck.report.html import render_html

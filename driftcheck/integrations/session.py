@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
 from driftcheck.record import ranks

@@ -53,7 +53,7 @@ def run_probe(device: str, reference: str = "cpu",
     Args:
         device: the device under test (``"tpu"``, ``"cuda:0"``, ``"cpu"`` ...).
         reference: the trusted device.
-        fault: a context-manager factory (``driftcheck.simulate.*``) applied around the device
+        fault: a context-manager factory (``driftcheck.targets.simulate.*``) applied around the device
             runs only, to prove the suite catches a given defect.
     """
     ref_dev, dev = _device(reference), _device(device)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from driftcheck import dtypes
-from driftcheck import stats as tstats
+from driftcheck.numerics import dtypes
+from driftcheck.numerics import stats as tstats
 from driftcheck.store import format as fmt
 
 

@@ -40,7 +40,7 @@ def settings(backend: str | None, mode: str | None = None, dynamic: bool | None 
     if mode is not None and mode not in MODES:
         raise DriftcheckError(f"--compile-mode {mode!r} is not one of {', '.join(MODES)}")
     if backend == "tpu":
-        from driftcheck import devices
+        from driftcheck.targets import devices
 
         if devices.torch_tpu_version() is None:
             raise DriftcheckError(f"--compile tpu is torch_tpu's backend: {devices.TPU_FIX}")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.rng import DropoutControl
@@ -121,7 +121,7 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
     name = model_id or scenario.name
     backend: Any = contextlib.nullcontext()
     if simulate:
-        from driftcheck.simulate import backend as simulated
+        from driftcheck.targets.simulate import backend as simulated
 
         backend = simulated(simulate)
     with backend:

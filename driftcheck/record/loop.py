@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
 from driftcheck.record.rng import DropoutControl

@@ -155,7 +155,7 @@ def _col_sumsq(x: torch.Tensor, k: int) -> torch.Tensor:
     """Column sums of squares of ``x`` seen as (-1, k): float32, on x's device; on the host, a
     contiguous float32/float64 ``x`` in one compiled pass (float64 sums) without a temporary."""
     if x.is_cpu and x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and x.numel():
-        from driftcheck import summary_kernels as kernels  # numba: imported where it is used
+        from driftcheck.numerics import summary_kernels as kernels  # numba: imported where it is used
 
         out = np.empty(k, dtype=np.float64)
         kernels.col_sumsq(kernels.flat_view(x), k, out)

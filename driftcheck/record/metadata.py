@@ -36,7 +36,7 @@ def run_metadata(*, model: nn.Module, device: torch.device, mode: str, steps: in
         "world_size": int(os.environ.get("WORLD_SIZE", 1)),
     }
     try:
-        from driftcheck import precision
+        from driftcheck.targets import precision
 
         meta["precision"] = precision.capture_settings(device, extra.get("dtype_obj", torch.float32),
                                                        autocast=extra.get("autocast"),

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from driftcheck import devices
+from driftcheck.targets import devices
 from driftcheck.errors import DriftcheckError
 from driftcheck.store import layout
 

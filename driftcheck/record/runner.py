@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.metadata import run_metadata
@@ -177,7 +177,7 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         model._apply(lambda t: t.to(tdtype) if t.is_floating_point() else t)
     fp8_handle = None
     if fp8:
-        from driftcheck import fp8 as fp8_mod
+        from driftcheck.targets import fp8 as fp8_mod
 
         fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(fp8))
     hook = target_hooks(model) if target_hooks is not None else None
@@ -217,12 +217,12 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
                                                  lambda: tracer.step_index)
         fault_ctx: Any = contextlib.nullcontext()
         if simulate:
-            from driftcheck.simulate import backend
+            from driftcheck.targets.simulate import backend
 
             fault_ctx = backend(simulate)
         emulate_ctx: Any = contextlib.nullcontext()
         if emulate:
-            from driftcheck.emulate import emulate_tpu
+            from driftcheck.targets.emulate import emulate_tpu
 
             emulate_ctx = emulate_tpu(emulate)
         try:

@@ -24,8 +24,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from driftcheck import dtypes
-from driftcheck import stats as tstats
+from driftcheck.numerics import dtypes
+from driftcheck.numerics import stats as tstats
 from driftcheck.errors import DriftcheckError
 from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.autograd import BackwardHooks

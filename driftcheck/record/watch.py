@@ -34,7 +34,7 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
             and dim % x.dim() == x.dim() - 1 and x.is_contiguous() and type(x) is torch.Tensor:
         # On the host, softmax over the last dim: both scans of a row in one compiled call
         # while the row is in cache (the same float32 value as the torch ops below).
-        from driftcheck import summary_kernels as k  # numba: imported where it is used
+        from driftcheck.numerics import summary_kernels as k  # numba: imported where it is used
 
         return torch.tensor(k.weighted_absmax(k.flat_view(x), x.shape[-1], LOGIT_SPAN))
     top = x.amax(dim=dim, keepdim=True).float()  # a row holding NaN or +inf keeps nothing

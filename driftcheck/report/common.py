@@ -10,7 +10,7 @@ import math
 import os
 from typing import Any
 
-from driftcheck.report import Entry, Finding, as_float, worst
+from driftcheck.gate.report import Entry, Finding, as_float, worst
 from driftcheck.store.format import PHASES, kind_matches
 
 __all__ = ["KIND_HELP", "ROOT", "conclusion", "explain_kind", "fmt", "as_float", "execution_order", "entry_words", "module_label", "precision_pair", "worst",

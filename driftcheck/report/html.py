@@ -21,7 +21,7 @@ from typing import Any
 import jinja2
 import markupsafe
 
-from driftcheck.report import Entry, Report
+from driftcheck.gate.report import Entry, Report
 from driftcheck.report.common import (
     as_float,
     conclusion,

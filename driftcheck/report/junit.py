@@ -10,7 +10,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
-from driftcheck.report import Entry, Report
+from driftcheck.gate.report import Entry, Report
 from driftcheck.report.common import (FAILING, as_float, conclusion, entry_limit, execution_order, finding_state,
                                       fmt, module_label)
 

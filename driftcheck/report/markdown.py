@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 import re
 
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 from driftcheck.report.common import (conclusion, entry_limit, explain_kind, finding_state, fmt, module_label,
                                       root_cause_lines, worst)
 

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 from driftcheck.report.common import conclusion, module_label, root_cause_lines
 
 # Warnings of one kind printed module by module before the rest are folded into one line (a

@@ -124,7 +124,7 @@ _ENTRY_FIELDS: dict[str, type | tuple[type, ...]] = {
 
 def validate_manifest(m: Any) -> dict[str, Any]:
     """Check a parsed manifest.json; raise FormatError naming the first problem."""
-    from driftcheck.dtypes import TRACE_DTYPES  # the dtypes a shard can store (imports torch)
+    from driftcheck.numerics.dtypes import TRACE_DTYPES  # the dtypes a shard can store (imports torch)
 
     if not isinstance(m, dict):
         raise FormatError("manifest is not a JSON object")

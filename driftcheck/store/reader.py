@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import TraceError
 from driftcheck.store import format as fmt
 from driftcheck.store.replay import read_replay

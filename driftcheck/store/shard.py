@@ -20,7 +20,7 @@ import crc32c
 import orjson
 import torch
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError, TraceError
 from driftcheck.store.format import json_safe
 

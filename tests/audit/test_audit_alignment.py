@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from driftcheck.audit.views import ViewAudit, compare_events
-from driftcheck.simulate import drop_view_writes, views_become_copies
+from driftcheck.targets.simulate import drop_view_writes, views_become_copies
 
 
 # -- synthetic event lists -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from driftcheck.audit.batchnorm import audit_call, is_tracked_norm, snapshot
-from driftcheck.simulate import skip_batchnorm_stat_updates
+from driftcheck.targets.simulate import skip_batchnorm_stat_updates
 
 MOMENTA = [0.1, 0.5, 1.0, None]
 LAYERS = [  # (constructor, input shape)

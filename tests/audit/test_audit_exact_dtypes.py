@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from driftcheck.audit.views import ViewAudit, compare_events
-from driftcheck.simulate import drop_view_writes
+from driftcheck.targets.simulate import drop_view_writes
 
 BIG = 2**60  # int64 values a float64 checksum cannot tell apart from BIG + 1
 

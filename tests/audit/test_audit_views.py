@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftcheck.audit.views import ViewAudit, compare_events
-from driftcheck.simulate import drop_view_writes, views_become_copies
+from driftcheck.targets.simulate import drop_view_writes, views_become_copies
 
 
 class Mix(nn.Module):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 
 from conftest import BUILTINS, a_middle_linear, record_builtin
 
@@ -325,7 +325,7 @@ def test_ignored_entries_and_their_reasons_are_in_the_verdict(traces, tmp_path):
     """An ignore rule over the faulty module: the verdict passes, but says what was ignored and
     why, and its worst ratio is over the judged entries only (it printed the ignored 1e7 ratio
     as 'worst ratio ... <= 3.5')."""
-    from driftcheck.policy import Policy
+    from driftcheck.gate.policy import Policy
     from driftcheck.report.junit import render_junit
     from driftcheck.report.markdown import render_markdown
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from driftcheck import Scenario
 from driftcheck.compare import compare
-from driftcheck.faults import scale_output
+from driftcheck.targets.faults import scale_output
 from driftcheck.record.runner import record
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from driftcheck import Scenario
-from driftcheck.faults import scale_output
+from driftcheck.targets.faults import scale_output
 from driftcheck.record.watch import decision_profile
 
 from test_floor_classes import _pair, _worst  # noqa: E402  (the same protocol)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.cli import main
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.loader import load_scenario

@@ -11,7 +11,7 @@ from torch import nn
 from driftcheck import Scenario
 from driftcheck.compare import compare
 from driftcheck.compare.norms import group_length
-from driftcheck.faults import scale_output
+from driftcheck.targets.faults import scale_output
 from driftcheck.record.runner import record
 from test_floor_classes import _pair, _worst  # noqa: F401  (the same protocol)
 

@@ -27,7 +27,7 @@ def test_rerecord_matches_golden(name, tmp_path):
 
 def test_golden_catches_a_changed_model(tmp_path):
     from conftest import a_middle_linear
-    from driftcheck.faults import scale_output
+    from driftcheck.targets.faults import scale_output
 
     golden = GOLDEN / "llama"
     mod = a_middle_linear("llama")

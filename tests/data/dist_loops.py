@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from driftcheck import faults
+from driftcheck.targets import faults
 
 OUT, LOOP = Path(sys.argv[1]), sys.argv[2]
 FAULTY = "net.2"

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from driftcheck import opfaults
+from driftcheck.targets import opfaults
 from driftcheck.compare import compare
 from driftcheck.drill import drill, point_of
 from driftcheck.drill.align import align
 from driftcheck.drill.side import Point
 from driftcheck.loader import load_scenario
 from driftcheck.record.runner import record
-from driftcheck.signatures import attach
+from driftcheck.gate.signatures import attach
 
 from conftest import DATA, ENV, assert_one_line_error, dc, record_builtin, run_cli
 
@@ -131,7 +131,7 @@ def test_repro_runs_standalone_exits_1_with_the_fault_and_0_without(tmp_path):
         "driftcheck measured", "").replace("driftcheck:", "")  # torch alone
     site = tmp_path / "faulty-backend"
     site.mkdir()
-    (site / "sitecustomize.py").write_text("from driftcheck.opfaults import install_from_env\n"
+    (site / "sitecustomize.py").write_text("from driftcheck.targets.opfaults import install_from_env\n"
                                            "install_from_env()\n")
     faulty_env = dict(ENV, PYTHONPATH=f"{site}{os.pathsep}{ROOT}", DRIFTCHECK_OP_FAULT="low_precision_sum")
     clean_env = {k: v for k, v in ENV.items() if k not in ("PYTHONPATH", "DRIFTCHECK_OP_FAULT")}
@@ -314,7 +314,7 @@ def test_floor_keeps_the_references_scalars_and_the_targets_dtypes():
 
 
 def test_every_signature_is_a_known_finding_kind():
-    from driftcheck.signatures import KINDS
+    from driftcheck.gate.signatures import KINDS
     from driftcheck.store.format import FINDING_KINDS
 
     assert KINDS == {k for k in FINDING_KINDS if k.startswith("known.")}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.integrations.lightning import DriftcheckCallback

@@ -15,7 +15,8 @@ SCENARIO = textwrap.dedent('''
     import os
     import torch
     from torch import nn
-    from driftcheck import Scenario, faults
+    from driftcheck import Scenario
+    from driftcheck.targets import faults
 
     def build():
         torch.manual_seed(0)

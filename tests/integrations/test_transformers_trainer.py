@@ -8,7 +8,7 @@ import torch
 from conftest import record_builtin
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.integrations.transformers import DriftcheckCallback

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import dc
-from driftcheck import faults
+from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.compare.long import compare_long
 from driftcheck.errors import DriftcheckError

@@ -279,7 +279,7 @@ def test_an_attribute_set_after_a_tap_is_read_back_in_the_graph(tmp_path: Path) 
 
 
 def test_a_fault_inside_the_compiled_graph_is_found_where_it_enters(tmp_path: Path) -> None:
-    from driftcheck import faults
+    from driftcheck.targets import faults
 
     ref = record_builtin("llama", tmp_path / "ref", steps=1)
     comp = {"backend": "aot_eager", "mode": None, "dynamic": None}
@@ -348,7 +348,7 @@ def test_the_tpu_backend_gets_capturable_optimizers_and_others_keep_theirs() -> 
 
 
 def test_the_tpu_backend_is_checked_against_torch_tpu_and_the_device(monkeypatch) -> None:
-    from driftcheck import devices
+    from driftcheck.targets import devices
     from driftcheck.errors import DriftcheckError
     from driftcheck.record.compilation import settings
 

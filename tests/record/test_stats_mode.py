@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from driftcheck import stats
+from driftcheck.numerics import stats
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
 from driftcheck.record.rng import DropoutControl
@@ -557,7 +557,7 @@ def test_a_step_hands_its_samples_to_the_writer_in_one_block(tmp_path):
 def test_summarising_a_tensor_leaves_its_storage_resizable():
     # Tensor.numpy() marks a storage not resizable for good; FSDP frees an unsharded parameter
     # by resizing its storage to 0, which then raised inside the backward.
-    from driftcheck import kernels
+    from driftcheck.numerics import kernels
 
     t = torch.randn(stats.BIG + 5)
     small = torch.randn(100)
@@ -576,7 +576,7 @@ def test_dense_and_copy_stats_give_the_exact_extremes_and_float64_sums(dtype):
     """The one-pass kernels of large captures: min/max bit for bit those of the values (-0.0
     below 0.0, as the keys order them: numpy's min leaves that sign to its SIMD path; subnormals, infinities, a length not a multiple of the block), the sums float64's,
     and copy_stats the same four numbers as dense_stats with the copy made."""
-    from driftcheck import summary_kernels as sk
+    from driftcheck.numerics import summary_kernels as sk
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(3 * 1024 + 77) * 3 - 0.5).astype(dtype)

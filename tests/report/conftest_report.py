@@ -8,7 +8,7 @@ import math
 import random
 from typing import Any
 
-from driftcheck.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding, Report
+from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding, Report
 
 # A small transformer-ish model with a BatchNorm, in execution order.
 MODULES = ["embed", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp", "norm.bn", "lm_head", ""]

@@ -17,7 +17,7 @@ import pytest
 
 from conftest_report import HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report
 from driftcheck.report.html import render_html
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 
 pytestmark = pytest.mark.browser
 
@@ -189,7 +189,7 @@ def test_real_fault_report_on_a_builtin_model(browser, tmp_path, traces) -> None
     from driftcheck.compare import compare
     from conftest import record_builtin
     from conftest import a_middle_linear
-    from driftcheck.faults import scale_output
+    from driftcheck.targets.faults import scale_output
 
     ref = traces["llama"]["fp32"]
     mod = a_middle_linear("llama")
@@ -338,7 +338,7 @@ def test_a_long_run_draws_a_bounded_chart(browser, tmp_path) -> None:
 
 
 def test_long_run_report_draws_loss_distance_band_and_the_first_bad_step(browser, tmp_path) -> None:
-    from driftcheck import faults
+    from driftcheck.targets import faults
     from driftcheck.compare.long import compare_long
     from driftcheck.loader import load_scenario
     from driftcheck.record.long import record_long

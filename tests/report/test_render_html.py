@@ -11,7 +11,7 @@ import pytest
 from conftest_report import DIVERGING, HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report, rejudged
 from driftcheck.report.common import execution_order
 from driftcheck.report.html import _plotly_js, render_html
-from driftcheck.report import Report
+from driftcheck.gate.report import Report
 
 
 class Page(HTMLParser):

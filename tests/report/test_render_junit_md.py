@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 from conftest_report import DIVERGING, HOSTILE_NAMES, MODULES, failing_report, hostile_report, passing_report, rejudged
 from driftcheck.report.junit import MAX_LINES, render_junit
 from driftcheck.report.markdown import md, render_markdown
-from driftcheck.report import DRIFT
+from driftcheck.gate.report import DRIFT
 
 
 def cases(xml: str) -> dict[tuple[str, str], ET.Element]:

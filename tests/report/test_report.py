@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 
-from driftcheck.report import DRIFT, OK, Entry, Finding, Report, as_float, worst
+from driftcheck.gate.report import DRIFT, OK, Entry, Finding, Report, as_float, worst
 
 
 def _entry(key: str, ratio, status: str = OK) -> Entry:

@@ -82,7 +82,7 @@ def test_ctrl_c_while_a_kernel_compiles_waits_for_the_compile():
     import numba
     from numba.extending import overload
 
-    from driftcheck.kernels import hold_interrupts
+    from driftcheck.numerics.kernels import hold_interrupts
 
     @overload(_signalled_while_typing)
     def _typing(x):  # runs while the kernel below compiles

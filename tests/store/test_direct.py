@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import driftcheck
-from driftcheck import stats as tstats
+from driftcheck.numerics import stats as tstats
 from driftcheck.store import TraceReader, TraceWriter
 from driftcheck.store import direct as store_direct
 from driftcheck.record.tracer import Tracer

@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from driftcheck.store import format as fmt
-from driftcheck import stats as tstats
+from driftcheck.numerics import stats as tstats
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
-from driftcheck.metrics import tensor_error
-from driftcheck.report import Entry, Report
+from driftcheck.numerics.metrics import tensor_error
+from driftcheck.gate.report import Entry, Report
 from driftcheck.store import TraceReader
 from conftest import record_trace, write_scenarios
 

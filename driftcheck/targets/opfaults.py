@@ -1,6 +1,6 @@
 """Op-level backend faults: one ATen op computed wrongly, the way a backend kernel gets it wrong.
 
-``driftcheck.faults`` changes what a whole module returns. These faults sit lower, where a backend
+``driftcheck.targets.faults`` changes what a whole module returns. These faults sit lower, where a backend
 does: a ``TorchDispatchMode`` pushed under everything else (under driftcheck's own recorders), that
 computes one op differently. Scoped to a module, the fault is active only while that module's
 forward runs (forward ops) or while autograd runs a node that module's forward created (backward
@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.faults import _seq_sum
+from driftcheck.targets.faults import _seq_sum
 
 __all__ = ["OpFault", "attention_scale", "gelu_tanh", "install_from_env", "low_precision_sum",
            "matmul_bf16_inputs", "scaled_mm_wrong_axis", "wrong_backward", "FACTORIES"]

@@ -29,13 +29,11 @@ import fnmatch
 import math
 import os
 import tomllib
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.gate.finding import Finding
 from driftcheck.store.format import FINDING_KINDS, PHASES, kind_matches
-
-if TYPE_CHECKING:  # report imports the policy (for reports saved without limits)
-    from driftcheck.report import Finding
 
 # Measured (docs/noise-floor.md, docs/diagnosis.md): clean fp32-vs-bf16/fp16/fp8 runs and the
 # no-fault controls stay below 2.3; faults of 4x the floor reach >= 4.0. 3.5 keeps both margins.
@@ -382,3 +380,10 @@ def _steps_text(steps: tuple[int, int | None] | None) -> str | None:
 def _in_range(step: int, steps: tuple[int, int | None]) -> bool:
     first, last = steps
     return step >= first and (last is None or step <= last)
+
+
+def gate_state(finding: Finding, policy: Policy) -> str:
+    """"fails gate", "ignored" or "warning": how ``policy`` treats ``finding``."""
+    if policy.ignore_reason(finding.module, finding.phase, finding.step, finding.kind) is not None:
+        return "ignored"
+    return "fails gate" if policy.fails_gate(finding) else "warning"

@@ -234,7 +234,7 @@ class HostSummaries:
 
 @functools.cache
 def _kernels():
-    from driftcheck import summary_kernels  # numba: imported where it is used, once
+    from driftcheck.numerics import summary_kernels  # numba: imported where it is used, once
 
     return summary_kernels
 

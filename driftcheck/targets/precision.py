@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from driftcheck import devices
+from driftcheck.targets import devices
 from driftcheck.errors import DriftcheckError
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -137,7 +137,7 @@ def _matmul_precision() -> str:
 def _fp8_dict(fp8: Any) -> dict[str, Any] | None:
     if fp8 is None:
         return None
-    from driftcheck.fp8 import Fp8Recipe
+    from driftcheck.targets.fp8 import Fp8Recipe
 
     recipe = fp8 if isinstance(fp8, Fp8Recipe) else Fp8Recipe.parse(str(fp8))
     return recipe.to_dict()
@@ -151,12 +151,12 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
         device: the device the run uses.
         dtype: the dtype parameters and inputs are cast to.
         autocast: the autocast dtype (``"bfloat16"``, ``"fp16"``), or None.
-        fp8: an :class:`driftcheck.fp8.Fp8Recipe`, its spec string (``"hybrid:delayed"``) or None.
+        fp8: an :class:`driftcheck.targets.fp8.Fp8Recipe`, its spec string (``"hybrid:delayed"``) or None.
         matmul_precision: the fp32 matmul precision the run asked for, when the backend does not
             report it through ``torch.get_float32_matmul_precision()`` (torch_tpu); else read.
 
     Returns:
-        A nested dict: ``device`` (:func:`driftcheck.devices.describe`), ``dtype``, ``autocast``,
+        A nested dict: ``device`` (:func:`driftcheck.targets.devices.describe`), ``dtype``, ``autocast``,
         ``matmul_precision`` (``"mixed"`` when torch cannot name one), ``allow_tf32``,
         ``fp32_precision``, ``deterministic``, ``threads``,
         ``versions``, ``host``, ``env``, ``torch_tpu_loaded``, ``tpu_execution_mode``, ``fp8``.

@@ -44,8 +44,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from driftcheck import kernels
-from driftcheck.dtypes import DTypeLike, coarser, default_tolerances, eps_tiny, is_exact, known
+from driftcheck.numerics import kernels
+from driftcheck.numerics.dtypes import DTypeLike, coarser, default_tolerances, eps_tiny, is_exact, known
 from driftcheck.errors import DriftcheckError
 
 

@@ -149,7 +149,7 @@ class _OpFaultBackend:
     """A backend with one wrong kernel (driftcheck/opfaults.py), everywhere in the run."""
 
     def __init__(self, spec: str) -> None:
-        from driftcheck.opfaults import from_spec
+        from driftcheck.targets.opfaults import from_spec
 
         self.fault = from_spec(spec)
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from driftcheck.report import Finding, Report, gate_state
+from driftcheck.gate.finding import Finding
+from driftcheck.gate.policy import Policy, gate_state
+from driftcheck.gate.report import Report
 
 __all__ = ["SIGNATURES", "Signature", "attach", "match"]
 
@@ -166,7 +168,6 @@ def match(report: Report, drill: Any = None) -> list[Finding]:
 
 def attach(report: Report, drill: Any = None) -> list[Finding]:
     """Add the matches to ``report`` (once each) and name them in its root cause."""
-    from driftcheck.policy import Policy
 
     policy = Policy.from_dict(report.policy)
     have = {(f.kind, f.module) for f in report.findings}

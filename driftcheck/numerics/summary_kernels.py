@@ -13,7 +13,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from driftcheck.kernels import _BLOCK, _FLAGS, _jit, flat_view, host_array  # noqa: F401  (re-exported)
+from driftcheck.numerics.kernels import _BLOCK, _FLAGS, _jit, flat_view, host_array  # noqa: F401  (re-exported)
 
 
 @_jit()

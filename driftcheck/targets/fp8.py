@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftcheck import dtypes
+from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 
 FORMATS = ("e4m3", "e5m2", "hybrid")
