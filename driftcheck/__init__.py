@@ -3,7 +3,7 @@ from driftcheck.errors import DriftcheckError, TraceError
 from driftcheck.scenario import Scenario
 from driftcheck.version import __version__
 
-__all__ = ["DriftcheckError", "Scenario", "TraceError", "trace", "__version__"]
+__all__ = ["DriftcheckError", "Scenario", "TraceError", "__version__", "trace"]
 
 
 def __getattr__(name: str):  # lazy: `import driftcheck` stays cheap and torch_tpu-free

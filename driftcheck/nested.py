@@ -6,7 +6,8 @@ structure with each tensor replaced, naming them the same way.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             yield from flatten(v, f"{prefix}.{i}")
-    elif hasattr(obj, "to_legacy_cache") or hasattr(obj, "layers") and hasattr(obj, "get_seq_length"):
+    elif hasattr(obj, "to_legacy_cache") or (hasattr(obj, "layers") and hasattr(obj, "get_seq_length")):
         # Hugging Face Cache objects: keys/values per layer.
         layers = getattr(obj, "layers", None)
         if isinstance(layers, (list, tuple)):

@@ -6,7 +6,8 @@ CPU in float32; the runner moves and casts everything to the device and dtype be
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported only once the device is known (torch_tpu autoload)
     import torch
@@ -35,7 +36,7 @@ class Scenario:
         ...                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     """
 
-    model: "nn.Module"
+    model: nn.Module
     inputs: Any
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from driftcheck.numerics import dtypes
 from driftcheck.gate.report import Finding
+from driftcheck.numerics import dtypes
 
 __all__ = ["audit_call", "is_tracked_norm", "snapshot"]
 

@@ -26,13 +26,14 @@ import contextlib
 import functools
 import math
 from collections import Counter, defaultdict, deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from driftcheck.numerics import dtypes
 from driftcheck.gate.report import Finding
+from driftcheck.numerics import dtypes
 
 __all__ = ["ViewAudit", "compare_events"]
 
@@ -248,7 +249,7 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
 _AUTOGRAD_ALIASES = frozenset({"detach", "alias", "lift_fresh"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kind(func: Any) -> str | None:
     """"view", "inplace", "out" or None, from the op's schema alias annotations."""
     schema = func._schema

@@ -13,17 +13,19 @@ from typing import Any
 
 import click
 
+from driftcheck.cli import drill as _drill  # noqa: F401  (registers driftcheck drill)
+from driftcheck.cli import run as _run  # noqa: F401  (registers driftcheck run)
 from driftcheck.cli.app import (
     EXIT_FAIL,
     EXIT_PASS,
     SIMULATED,
-    _Ctx,
     _capture_options,
+    _compile_options,
+    _Ctx,
     _everywhere,
     _finish,
     _outputs_options,
     _phases,
-    _compile_options,
     _precision_options,
     _progress,
     _ranges,
@@ -31,10 +33,8 @@ from driftcheck.cli.app import (
     cli,
     parse_env,
 )
-from driftcheck.errors import DriftcheckError
-from driftcheck.cli import drill as _drill  # noqa: F401  (registers driftcheck drill)
-from driftcheck.cli import run as _run  # noqa: F401  (registers driftcheck run)
 from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd
+from driftcheck.errors import DriftcheckError
 from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
 
 
@@ -151,7 +151,8 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
                        "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
                        "effect on CUDA (TF32) and under torch_tpu", err=True)
     from driftcheck.loader import load_scenario
-    from driftcheck.record.runner import default_local, record as do_record
+    from driftcheck.record.runner import default_local
+    from driftcheck.record.runner import record as do_record
 
     if no_local and local:
         raise DriftcheckError("--local and --no-local contradict each other; choose one")

@@ -14,7 +14,6 @@ from typing import Any
 import click
 
 from driftcheck.errors import DriftcheckError
-
 from driftcheck.store.layout import CONTROL, FIRST_BAD, LONG_REPORT_HTML, LONG_REPORT_JSON
 
 
@@ -46,10 +45,10 @@ def long_options(f: Any, *, record: bool) -> Any:
 def record_long_cmd(obj: Any, model: str, out: str, device: str, dtype: str, steps: int | None,
                     seed: int, replay: str | None, force: bool, autocast: str | None, every: int,
                     points_every: int | None, perturb: bool, simulate: str | None = None) -> None:
-    from driftcheck.targets import devices
     from driftcheck.loader import load_scenario
     from driftcheck.record.long import record_long
     from driftcheck.record.runner import parse_dtype
+    from driftcheck.targets import devices
 
     if steps is None:
         raise DriftcheckError("--long needs --steps N (how many training steps to run)")

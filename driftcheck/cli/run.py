@@ -10,12 +10,12 @@ import click
 
 from driftcheck.cli.app import (
     SIMULATED,
-    _Ctx,
     _capture_options,
+    _compile_options,
+    _Ctx,
     _everywhere,
     _finish,
     _phases,
-    _compile_options,
     _precision_options,
     _progress,
     _ranges,

@@ -8,11 +8,10 @@ entry over the limit, in execution order, is where drift *enters*.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
-from driftcheck.numerics import metrics as mx
-from driftcheck.compare.entries import entries_of
 from driftcheck.compare.decisions import Decisions
+from driftcheck.compare.entries import entries_of
 from driftcheck.compare.findings import Findings
 from driftcheck.compare.index import DependencyIndex
 from driftcheck.compare.inheritance import Inheritance
@@ -27,6 +26,7 @@ from driftcheck.compare.verdict import Verdict
 from driftcheck.errors import DriftcheckError
 from driftcheck.gate.policy import Policy
 from driftcheck.gate.report import IGNORED, Entry, Finding, Report
+from driftcheck.numerics import metrics as mx
 from driftcheck.store import format as fmt
 from driftcheck.store.format import base_slot, is_local_slot
 from driftcheck.store.reader import TraceReader

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck.numerics import dtypes
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.inheritance import _identical
 from driftcheck.gate.report import Finding
+from driftcheck.numerics import dtypes
 from driftcheck.numerics.stats import SAMPLE_SIZE
 
 FLIP_BASE = 0.05  # a share of computed indices that may always differ (no margins recorded)

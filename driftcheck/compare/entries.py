@@ -32,7 +32,7 @@ class TraceEntry:
         return "tensor" in self.raw
 
     @classmethod
-    def of(cls, e: dict[str, Any]) -> "TraceEntry":
+    def of(cls, e: dict[str, Any]) -> TraceEntry:
         return cls(e["key"], e["module"], e["phase"], e["step"], e["call"], e["slot"], e["order"],
                    e["shape"], e["dtype"], e["stats"], e.get("meta") or {},
                    (e["step"], e["phase"], e["module"], e["call"], e["slot"]), e)

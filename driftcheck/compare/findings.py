@@ -4,10 +4,11 @@ casts, NaN/Inf origin, precision settings, view events); methods of the Comparis
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from driftcheck.numerics import dtypes
 from driftcheck.gate.report import NONFINITE, Entry, Finding
+from driftcheck.numerics import dtypes
 
 
 class Findings:

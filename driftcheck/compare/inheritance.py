@@ -8,13 +8,14 @@ gradient J^T g, a parameter updated in place, an nn.Identity, a mean over a pure
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from driftcheck.numerics import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.norms import through_norm
 from driftcheck.compare.propagation import Propagated
+from driftcheck.numerics import floor as fl
 
 REL_LINEAR_CAP = 1e12  # a linear map passes on any relative error (finite: the floor stays a number)
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq")  # optimizer state of g^2

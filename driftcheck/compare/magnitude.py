@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from driftcheck.numerics import dtypes
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
+from driftcheck.numerics import dtypes
 
 LINEAR_STATE = ("exp_avg", "momentum_buffer")  # optimizer moments linear in the gradient
 SQUARED_STATE = ("exp_avg_sq", "square_avg", "max_exp_avg_sq", "sum")  # ... in its square

@@ -7,14 +7,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import floor as fl
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.kinks import KINK_NEAR, density_near_zero
 from driftcheck.compare.magnitude import LINEAR_STATE, SQUARED_STATE
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
 from driftcheck.gate.report import Finding
+from driftcheck.numerics import dtypes
+from driftcheck.numerics import floor as fl
 from driftcheck.store.reader import TraceReader
 
 MATMUL_KINDS = ("linear", "conv", "composite")

@@ -9,7 +9,7 @@ sequences after it still align.
 from __future__ import annotations
 
 import difflib
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def align(ref_tokens: Sequence[str], tgt_tokens: Sequence[str]) -> list[tuple[int, int]]:

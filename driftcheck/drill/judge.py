@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from driftcheck.numerics import dtypes
 from driftcheck.drill.oplog import OpRecord, cast_to, decode_args, resolve_op
+from driftcheck.numerics import dtypes
 
 
 @dataclasses.dataclass
@@ -157,7 +157,7 @@ def _scaled_mm_exact(a: tuple, k: dict, wrong_axis: bool = False) -> torch.Tenso
     acc = x.double() @ w.double()
     sa, sb = sa.double(), sb.double()
     if wrong_axis:
-        if acc.shape[0] != acc.shape[1] or sa.numel() == 1 and sb.numel() == 1:
+        if acc.shape[0] != acc.shape[1] or (sa.numel() == 1 and sb.numel() == 1):
             return None
         sa, sb = sa.reshape(1, -1) if sa.numel() > 1 else sa, sb.reshape(-1, 1) if sb.numel() > 1 else sb
     out = acc * sa * sb

@@ -24,9 +24,10 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ class DrillHook:
         self.info: dict[str, Any] = {}
         self._mark: Any = None
 
-    def __call__(self, model: nn.Module) -> "DrillHook":
+    def __call__(self, model: nn.Module) -> DrillHook:
         if self.inner is not None:
             self.inner_hook = self.inner(model)
         try:
@@ -235,13 +236,12 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     """Rebuild the run recorded in ``trace`` (which replayed ``ref``, or is ``ref``), train it up
     to ``point`` and drill that call: (the ops, what the drill saw)."""
     from driftcheck.loader import load_scenario
+    from driftcheck.record.loop import train
     from driftcheck.record.points import load_state, segment
     from driftcheck.record.rng import DropoutControl
-    from driftcheck.record.loop import train
     from driftcheck.record.runner import parse_dtype
     from driftcheck.store import TraceReader
     from driftcheck.store.replay import decode_batch, read_replay
-
     from driftcheck.targets import devices
 
     run = TraceReader(trace).run

@@ -29,7 +29,8 @@ import fnmatch
 import math
 import os
 import tomllib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.gate.finding import Finding
@@ -97,12 +98,12 @@ class Policy:
     source: str | None = None  # the file it came from; None for the built-in default
 
     @classmethod
-    def default(cls) -> "Policy":
+    def default(cls) -> Policy:
         """The built-in policy: limit ``DEFAULT_LIMIT``, default gate kinds, nothing ignored."""
         return cls()
 
     @classmethod
-    def load(cls, path: str | None = None, search_dir: str = ".") -> "Policy":
+    def load(cls, path: str | None = None, search_dir: str = ".") -> Policy:
         """Read the policy from ``path``, else from ``driftcheck.toml`` or ``pyproject.toml``.
 
         Args:
@@ -135,7 +136,7 @@ class Policy:
         return cls.default()
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any], source: str = "<policy>") -> "Policy":
+    def from_mapping(cls, data: dict[str, Any], source: str = "<policy>") -> Policy:
         """Validate a parsed TOML table (the file's top level or ``[tool.driftcheck]``)."""
         where = _where(source)
         if not isinstance(data, dict):
@@ -168,7 +169,7 @@ class Policy:
                    min_entries=min_entries, source=source)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "Policy":
+    def from_dict(cls, d: dict[str, Any] | None) -> Policy:
         """Rebuild the policy embedded in a report (``to_dict()``); empty or None: the default."""
         if not d:
             return cls.default()

@@ -102,7 +102,7 @@ class Report:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Report":
+    def from_dict(cls, d: dict[str, Any]) -> Report:
         if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("driftcheck.report/"):
             raise ValueError("not a driftcheck report (missing or unknown 'schema')")
         if d["schema"] != SCHEMA:

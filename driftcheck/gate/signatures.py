@@ -15,7 +15,8 @@ judged, it adds what the defect is). Pure: reports and drill judgements in, find
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from driftcheck.gate.finding import Finding
 from driftcheck.gate.policy import Policy, gate_state

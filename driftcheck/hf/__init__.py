@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.hf.batches import _IMAGE, _ctc_batch, _image_batch, _speech_batch, _text_batch
@@ -194,7 +195,7 @@ def resolve(spec: str, seed: int = 0) -> Scenario:
 
 # --- model loss and optimizer (module level: picklable, named in tracebacks) ----------------------
 
-def model_loss(output: Any, batch: Any) -> "torch.Tensor":
+def model_loss(output: Any, batch: Any) -> torch.Tensor:
     """The model's own loss (``output.loss``, computed from the batch's ``labels``)."""
     loss = getattr(output, "loss", None)
     if loss is None:
@@ -202,7 +203,7 @@ def model_loss(output: Any, batch: Any) -> "torch.Tensor":
     return loss
 
 
-def adamw(params: Any) -> "torch.optim.Optimizer":
+def adamw(params: Any) -> torch.optim.Optimizer:
     """AdamW with lr 1e-3 and the default weight decay."""
     import torch
 
@@ -238,7 +239,7 @@ _HEADS = {"ForCausalLM": "causal_lm", "ForImageClassification": "image", "ForCTC
           "ForConditionalGeneration": "speech_seq2seq"}
 
 
-def _task(model: "nn.Module") -> str:
+def _task(model: nn.Module) -> str:
     name = type(model).__name__
     for suffix, task in _HEADS.items():
         if name.endswith(suffix):
@@ -271,7 +272,7 @@ def _supported(arch: str, config: Any) -> bool:
     return any(arch.endswith(suffix) for suffix in _HEADS)
 
 
-def _scenario(model: "nn.Module", name: str, seed: int) -> Scenario:
+def _scenario(model: nn.Module, name: str, seed: int) -> Scenario:
     import torch
 
     model.train()  # from_pretrained returns eval mode; a training step needs dropout/BN training
@@ -314,7 +315,7 @@ def _build_unet(seed: int) -> Scenario:
                     name="hf:unet")
 
 
-def noise_mse(output: Any, batch: Any) -> "torch.Tensor":
+def noise_mse(output: Any, batch: Any) -> torch.Tensor:
     """Diffusion training loss: MSE between the predicted and the added noise, in float32."""
     return (output.sample.float() - batch["noise"].float()).pow(2).mean()
 

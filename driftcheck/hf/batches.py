@@ -16,8 +16,8 @@ _CTC_FRAMES = 48  # wav2vec2 frames after the feature encoder
 _SAMPLING_RATE = 16_000
 
 
-def _tokens(generator: "torch.Generator", shape: tuple[int, int], vocab: int,
-            avoid: set[int]) -> "torch.Tensor":
+def _tokens(generator: torch.Generator, shape: tuple[int, int], vocab: int,
+            avoid: set[int]) -> torch.Tensor:
     """Random ids in [0, vocab) with the special ids in ``avoid`` remapped to ordinary ones."""
     import torch
 
@@ -34,7 +34,7 @@ def _specials(config: Any) -> set[int]:
     return {i for i in flat if isinstance(i, int)}
 
 
-def _text_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str, Any]:
+def _text_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """(B, T) token ids; row 1 right-padded by a quarter: mask 0, label -100."""
     config = model.config
     seq = min(_SEQ, getattr(config, "max_position_embeddings", _SEQ) or _SEQ)
@@ -47,7 +47,7 @@ def _text_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str, A
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
 
 
-def _image_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str, Any]:
+def _image_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """Smooth random images in [0, 1] (low-res noise upsampled + grain), ImageNet-normalized."""
     import torch
 
@@ -64,7 +64,7 @@ def _image_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str, 
     return {"pixel_values": pixels, "labels": labels}
 
 
-def _waveform(generator: "torch.Generator", samples: int) -> "torch.Tensor":
+def _waveform(generator: torch.Generator, samples: int) -> torch.Tensor:
     """(B, samples) voiced-like audio: three random sines plus noise, zero mean, unit variance."""
     import torch
 
@@ -76,7 +76,7 @@ def _waveform(generator: "torch.Generator", samples: int) -> "torch.Tensor":
     return (wave - wave.mean(1, keepdim=True)) / wave.std(1, keepdim=True)
 
 
-def _log_mel(wave: "torch.Tensor", n_mels: int, frames: int) -> "torch.Tensor":
+def _log_mel(wave: torch.Tensor, n_mels: int, frames: int) -> torch.Tensor:
     """Whisper's feature extractor in torch: |STFT|^2 (n_fft 400, hop 160) -> slaney mel -> log10,
     clamped to max - 8, scaled (x + 4) / 4. (B, samples) -> (B, n_mels, frames)."""
     import torch
@@ -94,7 +94,7 @@ def _log_mel(wave: "torch.Tensor", n_mels: int, frames: int) -> "torch.Tensor":
     return (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
 
 
-def _speech_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str, Any]:
+def _speech_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """Whisper: log-mel (B, n_mels, 2 * max_source_positions), shifted decoder ids, padding."""
     import torch
 
@@ -113,7 +113,7 @@ def _speech_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str,
             "use_cache": False}
 
 
-def _ctc_batch(model: "nn.Module", generator: "torch.Generator") -> dict[str, Any]:
+def _ctc_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """wav2vec2: raw waveforms long enough for _CTC_FRAMES encoder frames; row 1 zero-padded."""
     import torch
 

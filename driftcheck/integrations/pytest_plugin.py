@@ -109,15 +109,15 @@ class Gate:
 
     def _check(self, model: Any, golden: Path, *, steps: int | None, seed: int, mode: str,
                limit: float | None, local: bool) -> Any:
-        from driftcheck.targets import devices
         from driftcheck.compare import compare
-        from driftcheck.loader import load_scenario
         from driftcheck.gate.policy import Policy
+        from driftcheck.loader import load_scenario
         from driftcheck.record.runner import record
         from driftcheck.report.common import conclusion
         from driftcheck.report.html import render_html
         from driftcheck.report.junit import render_junit
         from driftcheck.report.markdown import render_markdown
+        from driftcheck.targets import devices
 
         def scenario() -> Any:
             return load_scenario(model, seed) if isinstance(model, str) else model

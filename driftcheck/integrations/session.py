@@ -22,17 +22,17 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
-from driftcheck.record import ranks
-from driftcheck.record import compilation
+from driftcheck.numerics import dtypes
+from driftcheck.record import compilation, ranks
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer

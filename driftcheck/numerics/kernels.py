@@ -97,7 +97,7 @@ def flat_view(t: torch.Tensor) -> np.ndarray:
 class _Memory:
     """A contiguous host tensor's memory as numpy's array interface, holding the tensor."""
 
-    __slots__ = ("tensor", "__array_interface__")
+    __slots__ = ("__array_interface__", "tensor")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.tensor = t

@@ -44,9 +44,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import kernels
 from driftcheck.numerics.dtypes import DTypeLike, coarser, default_tolerances, eps_tiny, is_exact, known
-from driftcheck.errors import DriftcheckError
 
 
 def ulp(x: torch.Tensor, dtype: DTypeLike) -> torch.Tensor:
@@ -178,7 +178,7 @@ class ErrorAccumulator:
         self._max_ulp = max(self._max_ulp, p["max_ulp"])
         self._ref_absmax = max(self._ref_absmax, p["ref_absmax"])
 
-    def merge(self, other: "ErrorAccumulator") -> None:
+    def merge(self, other: ErrorAccumulator) -> None:
         """Append ``other``: it accumulated the elements that follow this one's (a tensor
         measured in parts on several threads, merged left to right)."""
         if (other.coarse, other.rtol, other.atol) != (self.coarse, self.rtol, self.atol):

@@ -286,7 +286,7 @@ def sgd_step_updates_params(dev):
 def _batch_norm_run(dev: torch.device, momentum: float | None) -> dict[str, Any]:
     bn = nn.BatchNorm1d(3, momentum=momentum).to(dev).train()
     for k in range(2):
-        bn(((_x(dev, 4, 3) + k) * 0.5))
+        bn((_x(dev, 4, 3) + k) * 0.5)
     return _out(running_mean=bn.running_mean, running_var=bn.running_var,
                 num_batches_tracked=bn.num_batches_tracked)
 

@@ -1,7 +1,8 @@
 """What the probe programs share: their registration and helpers (views.py and inplace.py hold them)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

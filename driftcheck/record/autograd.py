@@ -9,7 +9,8 @@ its exits (recorded by its own walk) stand for it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -16,14 +16,13 @@ from driftcheck.numerics import dtypes
 from driftcheck.numerics import stats as tstats
 from driftcheck.store import format as fmt
 
-
 # On the host a flush is no sync point: captures go to the writer once this much waits, so
 # writing a full-mode step overlaps the step instead of starting at its end.
 HOST_FLUSH_BYTES = 64 << 20
 
 
 class _Pending:
-    __slots__ = ("entry", "tensor", "dev_meta", "summary")
+    __slots__ = ("dev_meta", "entry", "summary", "tensor")
 
     def __init__(self, entry: dict[str, Any], tensor: torch.Tensor | None,
                  dev_meta: dict[str, torch.Tensor] | None,

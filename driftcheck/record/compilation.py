@@ -135,7 +135,7 @@ class Account:
     """Dynamo's counters over one record: ``start()`` before the first step, ``result()``
     after the last (the counters are process-wide; the difference is this run's)."""
 
-    def start(self) -> "Account":
+    def start(self) -> Account:
         from torch._dynamo.utils import counters, get_compilation_metrics
 
         self._breaks = dict(counters["graph_break"])

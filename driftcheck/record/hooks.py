@@ -4,7 +4,8 @@ runs the BatchNorm audit and the local replay, and hooks the backward.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,8 +13,17 @@ from torch import nn
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.nested import flatten
 from driftcheck.record.autograd import whole_base_node
-from driftcheck.record.meta import (backward_meta, call_k, floating, is_leaf, kink_profile,
-                                    magnitude_sq, piecewise, static_meta, tie_profile)
+from driftcheck.record.meta import (
+    backward_meta,
+    call_k,
+    floating,
+    is_leaf,
+    kink_profile,
+    magnitude_sq,
+    piecewise,
+    static_meta,
+    tie_profile,
+)
 from driftcheck.record.norms import norm_gain_sq, norm_layout
 
 

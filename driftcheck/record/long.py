@@ -15,18 +15,19 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
-from driftcheck.record.metadata import run_metadata
-from driftcheck.record.rng import DropoutControl
-from driftcheck.record.points import load_state
+from driftcheck.numerics import dtypes
 from driftcheck.record.loop import _autocast, _user_code, cast_batch
+from driftcheck.record.metadata import run_metadata
+from driftcheck.record.points import load_state
+from driftcheck.record.rng import DropoutControl
 from driftcheck.record.runner import parse_dtype
 from driftcheck.scenario import Scenario, call_model
 from driftcheck.store import format as fmt

@@ -5,14 +5,15 @@ dropout control, the backward, the optimizer step; the user's exceptions as one 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
+from driftcheck.numerics import dtypes
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.scenario import Scenario, call_model

@@ -20,7 +20,7 @@ def run_metadata(*, model: nn.Module, device: torch.device, mode: str, steps: in
     params = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {
         "run_id": uuid.uuid4().hex,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "driftcheck": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),

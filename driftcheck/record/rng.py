@@ -60,7 +60,7 @@ class DropoutControl:
         # noise = mask / (1 - p), as PyTorch's native dropout scales it, in the input's dtype.
         return (keep.to(like.dtype) / (1.0 - p) if p < 1 else keep.to(like.dtype)).to(like.device)
 
-    def __enter__(self) -> "DropoutControl":
+    def __enter__(self) -> DropoutControl:
         self._depth += 1
         if self._depth == 1:
             for (name, owner), patched in zip(self._PATCHED, self._wrappers):

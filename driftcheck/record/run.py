@@ -10,13 +10,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from driftcheck.targets import devices
 from driftcheck.errors import DriftcheckError
 from driftcheck.store import layout
-
+from driftcheck.targets import devices
 
 # The --dtype names (dtypes.CLI_DTYPES), spelled out so this process stays torch-free;
 # tests/test_cli.py keeps the two equal.

@@ -14,19 +14,21 @@ import difflib
 import fnmatch
 import os
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
+from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks, taps
-from driftcheck.record.metadata import run_metadata
-from driftcheck.record.points import load_point_optimizer, load_state as _load_replay_state, segment
-from driftcheck.record.rng import DropoutControl
 from driftcheck.record.loop import train
+from driftcheck.record.metadata import run_metadata
+from driftcheck.record.points import load_point_optimizer, segment
+from driftcheck.record.points import load_state as _load_replay_state
+from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.scenario import Scenario
 from driftcheck.store.layout import rank_dir

@@ -25,7 +25,8 @@ import functools
 import itertools
 import types
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -19,21 +19,22 @@ import contextlib
 import fnmatch
 import functools
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
 from driftcheck.numerics import stats as tstats
-from driftcheck.errors import DriftcheckError
 from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending
 from driftcheck.record.hooks import ForwardHooks
-from driftcheck.record.watch import LOSS_CODE, Watching, own_work
-from driftcheck.record.tapping import GraphTaps
 from driftcheck.record.metadata import run_metadata
+from driftcheck.record.tapping import GraphTaps
+from driftcheck.record.watch import LOSS_CODE, Watching, own_work
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
@@ -167,7 +168,7 @@ class Tracer(ForwardHooks, BackwardHooks, Capturing, GraphTaps, Watching):
         return False
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def attach(self) -> "Tracer":
+    def attach(self) -> Tracer:
         self._tap_id = tid = taps.register(self)
         self._by_name = {name: module for module, name in self.names.items()}
         if self.compiled:

@@ -13,8 +13,22 @@ from typing import Any
 from driftcheck.gate.report import Entry, Finding, as_float, worst
 from driftcheck.store.format import PHASES, kind_matches
 
-__all__ = ["KIND_HELP", "ROOT", "conclusion", "explain_kind", "fmt", "as_float", "execution_order", "entry_words", "module_label", "precision_pair", "worst",
-           "entry_limit", "finding_state", "FAILING"]
+__all__ = [
+    "FAILING",
+    "KIND_HELP",
+    "ROOT",
+    "as_float",
+    "conclusion",
+    "entry_limit",
+    "entry_words",
+    "execution_order",
+    "explain_kind",
+    "finding_state",
+    "fmt",
+    "module_label",
+    "precision_pair",
+    "worst",
+]
 
 # Entry statuses that fail the gate.
 FAILING = ("drift", "nonfinite", "misaligned")

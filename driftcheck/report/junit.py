@@ -11,8 +11,16 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 from driftcheck.gate.report import Entry, Report
-from driftcheck.report.common import (FAILING, as_float, conclusion, entry_limit, execution_order, finding_state,
-                                      fmt, module_label)
+from driftcheck.report.common import (
+    FAILING,
+    as_float,
+    conclusion,
+    entry_limit,
+    execution_order,
+    finding_state,
+    fmt,
+    module_label,
+)
 
 MAX_LINES = 50  # failing entries listed per module testcase; the HTML report has them all
 # XML 1.0 forbids most control characters even when escaped.

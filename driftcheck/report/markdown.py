@@ -9,8 +9,16 @@ import html
 import re
 
 from driftcheck.gate.report import Report
-from driftcheck.report.common import (conclusion, entry_limit, explain_kind, finding_state, fmt, module_label,
-                                      root_cause_lines, worst)
+from driftcheck.report.common import (
+    conclusion,
+    entry_limit,
+    explain_kind,
+    finding_state,
+    fmt,
+    module_label,
+    root_cause_lines,
+    worst,
+)
 
 WORST = 10
 # Values only ever appear mid-line, so line-start syntax (#, -, 1.) cannot trigger; these can.

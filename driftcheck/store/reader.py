@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import TraceError
+from driftcheck.numerics import dtypes
 from driftcheck.store import format as fmt
 from driftcheck.store.replay import read_replay
 from driftcheck.store.shard import MappedShard

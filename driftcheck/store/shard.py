@@ -13,15 +13,16 @@ import mmap
 import os
 import struct
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import crc32c
 import orjson
 import torch
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError, TraceError
+from driftcheck.numerics import dtypes
 from driftcheck.store.format import json_safe
 
 

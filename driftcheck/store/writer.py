@@ -21,8 +21,8 @@ import torch
 from driftcheck.errors import DriftcheckError
 from driftcheck.store import format as fmt
 from driftcheck.store.buffers import HostBuffers
-from driftcheck.store.replay import write_replay
 from driftcheck.store.direct import DirectStage
+from driftcheck.store.replay import write_replay
 from driftcheck.store.shard import code_of, strict_json, write_error, write_safetensors
 
 
@@ -337,7 +337,7 @@ class TraceWriter:
             pass
         self.closed = True
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

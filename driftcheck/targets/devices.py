@@ -187,7 +187,7 @@ def _check_privateuse1(device_type: str, index: int | None) -> None:
     _check_index(device_type, index, torch.accelerator.device_count(), device_type)
 
 
-def open_device(spec: str) -> "torch.device":
+def open_device(spec: str) -> torch.device:
     """Check that ``spec`` can run here and return its ``torch.device``.
 
     Imports torch: call :func:`prepare_environment` first.
@@ -219,7 +219,7 @@ def open_device(spec: str) -> "torch.device":
     return torch.device(device_type) if index is None else torch.device(device_type, index)
 
 
-def synchronize(device: "torch.device") -> None:
+def synchronize(device: torch.device) -> None:
     """Wait for all queued work on ``device`` (a no-op on CPU).
 
     Uses ``torch.accelerator.synchronize`` for the current accelerator (the only safe call on
@@ -247,7 +247,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def describe(device: "torch.device") -> dict[str, Any]:
+def describe(device: torch.device) -> dict[str, Any]:
     """A JSON-able description of ``device`` for trace manifests and reports.
 
     Returns:
@@ -285,6 +285,6 @@ def describe(device: "torch.device") -> dict[str, Any]:
         module = getattr(torch, device.type, None)
         try:
             info["name"] = module.get_device_name(device.index or 0) if module else None
-        except Exception:  # noqa: BLE001 - a name is nice to have, never required
+        except Exception:
             info["name"] = None
     return info

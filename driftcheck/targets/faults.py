@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ class Fault:
     wrap: Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
     _installed: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list, repr=False)
 
-    def __call__(self, model: nn.Module) -> "Fault":
+    def __call__(self, model: nn.Module) -> Fault:
         try:
             module = model.get_submodule(self.module)
         except AttributeError:
@@ -267,7 +268,7 @@ class _OwnMask:
     def __init__(self, generator: torch.Generator) -> None:
         self.g = generator
 
-    def __enter__(self) -> "_OwnMask":
+    def __enter__(self) -> _OwnMask:
         self.saved = F.dropout  # the run's (CPU-mask controlled) dropout
         outer = self
 
@@ -363,14 +364,14 @@ def stochastic_rounding(seed: int = 0) -> TorchDispatchMode:
     return _StochasticRounding(seed)
 
 
-class starting_at:  # noqa: N801 - used like the fault factories above
+class starting_at:
     """``fault`` installed from step ``step`` on: pass it as ``target_hooks`` to record() or
     record_long(), which call ``set_step`` with each step's number."""
 
     def __init__(self, fault: Fault, step: int) -> None:
         self.fault, self.step, self.model, self.on = fault, step, None, False
 
-    def __call__(self, model: nn.Module) -> "starting_at":
+    def __call__(self, model: nn.Module) -> starting_at:
         self.model = model
         return self
 

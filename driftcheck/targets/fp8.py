@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftcheck.numerics import dtypes
 from driftcheck.errors import DriftcheckError
+from driftcheck.numerics import dtypes
 
 FORMATS = ("e4m3", "e5m2", "hybrid")
 SCALINGS = ("current", "delayed")
@@ -79,7 +79,7 @@ class Fp8Recipe:
             raise DriftcheckError(f"bad fp8 amax history {self.history!r}: use an integer >= 1")
 
     @classmethod
-    def parse(cls, spec: str) -> "Fp8Recipe":
+    def parse(cls, spec: str) -> Fp8Recipe:
         """``FORMAT[:SCALING[:HISTORY]]``: ``hybrid``, ``e4m3:current``, ``hybrid:delayed:32``."""
         parts = [part.strip().lower() for part in spec.split(":")]
         if len(parts) > 3 or not parts[0]:
@@ -213,7 +213,7 @@ class _Record:
 class _Call:
     """One call of one patched Linear: where its casts are recorded."""
 
-    def __init__(self, handle: "Fp8Handle", module: str, call: int) -> None:
+    def __init__(self, handle: Fp8Handle, module: str, call: int) -> None:
         self.handle, self.module, self.call = handle, module, call
 
     def quantize(self, role: str, x: torch.Tensor) -> tuple[Quantized, _Record]:
@@ -349,7 +349,7 @@ class Fp8Handle:
                 del module.forward
         self._patched.clear()
 
-    def __enter__(self) -> "Fp8Handle":
+    def __enter__(self) -> Fp8Handle:
         return self
 
     def __exit__(self, *exc: object) -> None:

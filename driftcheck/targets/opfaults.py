@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,17 @@ from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mod
 from driftcheck.errors import DriftcheckError
 from driftcheck.targets.faults import _seq_sum
 
-__all__ = ["OpFault", "attention_scale", "gelu_tanh", "install_from_env", "low_precision_sum",
-           "matmul_bf16_inputs", "scaled_mm_wrong_axis", "wrong_backward", "FACTORIES"]
+__all__ = [
+    "FACTORIES",
+    "OpFault",
+    "attention_scale",
+    "gelu_tanh",
+    "install_from_env",
+    "low_precision_sum",
+    "matmul_bf16_inputs",
+    "scaled_mm_wrong_axis",
+    "wrong_backward",
+]
 
 _SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep,
          os.path.dirname(os.__file__) + os.sep)
@@ -44,7 +54,7 @@ _SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_att
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, fault: "OpFault") -> None:
+    def __init__(self, fault: OpFault) -> None:
         super().__init__()
         self.fault = fault
 
@@ -122,7 +132,7 @@ class OpFault:
             del self._spans[:-256]
 
     # -- install -------------------------------------------------------------------------------
-    def __call__(self, model: nn.Module | None = None) -> "OpFault":
+    def __call__(self, model: nn.Module | None = None) -> OpFault:
         if self.module is not None:
             if model is None:
                 raise DriftcheckError(f"op fault {self.kind} on {self.module!r} needs the model")

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from driftcheck.targets import devices
 from driftcheck.errors import DriftcheckError
+from driftcheck.targets import devices
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 _ALIASES = {
@@ -52,7 +52,7 @@ _NOT_NUMERIC = ("host.node", "device.index", "device.count", "matmul_precision_s
                 "env.TORCH_DEVICE_BACKEND_AUTOLOAD")
 
 
-def dtype_name(dtype: "torch.dtype | str") -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16`` / ``"bf16"`` / ``"torch.bfloat16"`` -> ``"bfloat16"``.
 
     Raises:

@@ -153,7 +153,7 @@ class _OpFaultBackend:
 
         self.fault = from_spec(spec)
 
-    def __enter__(self) -> "_OpFaultBackend":
+    def __enter__(self) -> _OpFaultBackend:
         self.fault()
         return self
 
