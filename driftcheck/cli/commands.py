@@ -13,8 +13,10 @@ from typing import Any
 
 import click
 
-from driftcheck.cli import drill as _drill  # noqa: F401  (registers driftcheck drill)
-from driftcheck.cli import run as _run  # noqa: F401  (registers driftcheck run)
+from driftcheck.cli import (
+    drill as _drill,  # noqa: F401  (registers driftcheck drill)
+    run as _run,  # noqa: F401  (registers driftcheck run)
+)
 from driftcheck.cli.app import (
     EXIT_FAIL,
     EXIT_PASS,
@@ -151,8 +153,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
                        "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
                        "effect on CUDA (TF32) and under torch_tpu", err=True)
     from driftcheck.loader import load_scenario
-    from driftcheck.record.runner import default_local
-    from driftcheck.record.runner import record as do_record
+    from driftcheck.record.runner import default_local, record as do_record
 
     if no_local and local:
         raise DriftcheckError("--local and --no-local contradict each other; choose one")

@@ -13,8 +13,7 @@ from driftcheck.compare.inheritance import _linear_rel
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE, WRONG, Propagated
 from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import floor as fl
+from driftcheck.numerics import dtypes, floor as fl
 
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from driftcheck.compare.entries import TraceEntry
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import metrics as mx
+from driftcheck.numerics import dtypes, metrics as mx
 
 KINK_ZEROS = 0.1  # a ReLU-like gradient: this many zeros, as many as non-positive inputs (+-)
 KINK_NEAR = 16  # smallest sample magnitudes the density of a tensor near zero is taken from

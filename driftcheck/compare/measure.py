@@ -11,8 +11,7 @@ import math
 from typing import Any, NamedTuple
 
 from driftcheck.compare.entries import TraceEntry
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import metrics as mx
+from driftcheck.numerics import dtypes, metrics as mx
 from driftcheck.store.reader import TraceReader
 
 PART_ELEMS = 1 << 22  # elements above which one pair is measured in parts, on several workers

@@ -13,8 +13,7 @@ from driftcheck.compare.magnitude import LINEAR_STATE, SQUARED_STATE
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE
 from driftcheck.gate.report import Finding
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import floor as fl
+from driftcheck.numerics import dtypes, floor as fl
 from driftcheck.store.reader import TraceReader
 
 MATMUL_KINDS = ("linear", "conv", "composite")

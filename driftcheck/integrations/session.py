@@ -38,7 +38,15 @@ from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
-from driftcheck.store.replay import decode_batch, encode_batch, read_replay
+from driftcheck.store.replay import (
+    decode_batch,
+    encode_batch,
+    input_prefix,
+    model_state,
+    read_replay,
+    replay_meta,
+    state_key,
+)
 from driftcheck.store.writer import TraceWriter
 
 INPUTS_ARE = "calls"  # the replay metadata's word for "inputs[step] lists the step's model calls"
@@ -109,7 +117,7 @@ class TraceSession:
             for name, t in self.model.state_dict(keep_vars=True).items():
                 if isinstance(t, torch.Tensor):
                     kind = "param" if isinstance(t, nn.Parameter) else "buffer"
-                    self._tensors[f"{kind}/{name}"] = ranks.local_shard(t).detach().to("cpu", copy=True)
+                    self._tensors[state_key(kind, name)] = ranks.local_shard(t).detach().to("cpu", copy=True)
         if self.capture is None:
             self.capture = set(range(2))
         self.last = max(self.capture)
@@ -147,9 +155,9 @@ class TraceSession:
         self._calls.append(None)
         if self.replay is None:
             desc = encode_batch({"args": list(args), "kwargs": dict(kwargs)},
-                                f"input/{self.step}.{index}", self._tensors)
+                                input_prefix(f"{self.step}.{index}"), self._tensors)
             self._calls[-1] = desc
-            for key in [k for k in self._tensors if k.startswith(f"input/{self.step}.{index}.")]:
+            for key in [k for k in self._tensors if k.startswith(input_prefix(f"{self.step}.{index}") + ".")]:
                 self._tensors[key] = self._tensors[key].detach().to("cpu", copy=True)
             return args, kwargs
         recorded = self._inputs[self.step]["items"] if self.step < len(self._inputs) else []
@@ -239,11 +247,9 @@ class TraceSession:
         tracer.flush()
         self.done = True
         if self.replay is None:
-            meta = {"format": "driftcheck.replay", "version": 1, "replay_id": self.replay_id,
-                    "seed": self.seed, "steps": self.step, "inputs": self._inputs,
-                    "inputs_are": INPUTS_ARE, "capture_steps": sorted(self.capture or ()),
-                    "driver": self.driver, "model": self.model_id,
-                    "randomness": "dropout masks drawn on CPU from (seed, step, call index)"}
+            meta = replay_meta(replay_id=self.replay_id, seed=self.seed, steps=self.step, inputs=self._inputs,
+                               model=self.model_id, inputs_are=INPUTS_ARE,
+                               capture_steps=sorted(self.capture or ()), driver=self.driver)
             if self.rank:
                 meta.update(rank=self.rank["rank"], world_size=self.rank["world_size"])
             writer.write_replay(self._tensors, meta)
@@ -310,7 +316,7 @@ def _chosen_steps(steps: int | Iterable[int] | None) -> set[int] | None:
 
 
 def _load_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Path) -> None:
-    state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(("param/", "buffer/"))}
+    state = model_state(tensors)
     own = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:

@@ -7,12 +7,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from driftcheck.probe.programs import Program, registrar
-from driftcheck.probe.programs import out as _out
-from driftcheck.probe.programs import raises as _raises
-from driftcheck.probe.programs import shares as _shares
-from driftcheck.probe.programs import write_through as _write_through
-from driftcheck.probe.programs import x_ as _x
+from driftcheck.probe.programs import (
+    Program,
+    out as _out,
+    raises as _raises,
+    registrar,
+    shares as _shares,
+    write_through as _write_through,
+    x_ as _x,
+)
 
 PROGRAMS: dict[str, Program] = {}
 _program = registrar(PROGRAMS)

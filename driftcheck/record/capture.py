@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import stats as tstats
+from driftcheck.numerics import dtypes, stats as tstats
 from driftcheck.store import format as fmt
 
 # On the host a flush is no sync point: captures go to the writer once this much waits, so

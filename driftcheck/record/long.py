@@ -32,7 +32,7 @@ from driftcheck.record.runner import parse_dtype
 from driftcheck.scenario import Scenario, call_model
 from driftcheck.store import format as fmt
 from driftcheck.store.long import write_long, write_point
-from driftcheck.store.replay import decode_batch, encode_batch, read_replay, write_replay
+from driftcheck.store.replay import decode_batch, encode_batch, input_prefix, read_replay, replay_meta, write_replay
 
 SAMPLE_SIZE = 4096  # parameter elements kept per sampled step
 SAMPLE_SEED = 0x5EED
@@ -176,11 +176,9 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
         columns["buffer_sample"] = torch.stack(buffer_samples)
     if replay is None:
         rtensors: dict[str, torch.Tensor] = dict(initial)
-        descs = [encode_batch(b, f"input/{i}", rtensors) for i, b in enumerate(distinct)]
-        write_replay(out, rtensors, {"format": "driftcheck.replay", "version": 1,
-                                     "replay_id": replay_id, "seed": seed, "steps": steps,
-                                     "inputs": descs, "cycle": cycle, "model": model_id,
-                                     "randomness": "dropout masks drawn on CPU from (seed, step, call index)"})
+        descs = [encode_batch(b, input_prefix(i), rtensors) for i, b in enumerate(distinct)]
+        write_replay(out, rtensors, replay_meta(replay_id=replay_id, seed=seed, steps=steps, inputs=descs,
+                                                model=model_id, cycle=cycle))
     run = run_metadata(model=model, device=device, mode="long", steps=steps,
                        dtype=dtypes.name_of(tdtype), dtype_obj=tdtype, seed=seed, autocast=autocast,
                        model_id=name, scenario=scenario.name, replay_id=replay_id,

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.store.replay import model_state, state_key
 
 
 def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], replay: Any) -> None:
     """Copy a replay file's ``param/``/``buffer/`` tensors into ``model``; a model that is not
     the recorded one is refused in one line."""
-    state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(("param/", "buffer/"))}
+    state = model_state(tensors)
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -52,7 +53,7 @@ def segment(model: nn.Module, replay: Any, meta: dict[str, Any], inputs: list[An
             raise DriftcheckError(f"--start {start}: {replay} has no replay point there (points: "
                                   f"{_points(replay)}); choose one of them")
         state, _ = read_point(path)
-        load_state(model, {f"param/{k}": v for k, v in state.items()}, replay)
+        load_state(model, {state_key("param", k): v for k, v in state.items()}, replay)
     return [inputs[(start + i) % len(inputs)] for i in range(n_steps)]
 
 

@@ -26,13 +26,19 @@ from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.loop import train
 from driftcheck.record.metadata import run_metadata
-from driftcheck.record.points import load_point_optimizer, segment
-from driftcheck.record.points import load_state as _load_replay_state
+from driftcheck.record.points import load_point_optimizer, load_state as _load_replay_state, segment
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.scenario import Scenario
 from driftcheck.store.layout import rank_dir
-from driftcheck.store.replay import decode_batch, encode_batch, read_replay
+from driftcheck.store.replay import (
+    decode_batch,
+    encode_batch,
+    input_prefix,
+    read_replay,
+    replay_meta as make_replay_meta,
+    state_key,
+)
 from driftcheck.store.writer import TraceWriter
 
 parse_dtype = dtypes.parse_cli
@@ -159,14 +165,13 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         if parallel:
             batches = [ranks.shard_batch(b, rank, world) for b in batches]
             replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
-        descs = [encode_batch(b, f"input/{i}", replay_tensors) for i, b in enumerate(batches)]
+        descs = [encode_batch(b, input_prefix(i), replay_tensors) for i, b in enumerate(batches)]
         for name, t in model.state_dict(keep_vars=True).items():
             if isinstance(t, torch.Tensor):
                 kind = "param" if isinstance(t, nn.Parameter) else "buffer"
-                replay_tensors[f"{kind}/{name}"] = t.detach()
-        replay_meta = {"format": "driftcheck.replay", "version": 1, "replay_id": replay_id,
-                       "seed": seed, "steps": n_steps, "inputs": descs, "model": model_id,
-                       "randomness": "dropout masks drawn on CPU from (seed, step, call index)"}
+                replay_tensors[state_key(kind, name)] = t.detach()
+        replay_meta = make_replay_meta(replay_id=replay_id, seed=seed, steps=n_steps, inputs=descs,
+                                       model=model_id)
         if parallel:
             replay_meta.update(rank=rank, world_size=world)
 

@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.numerics import dtypes
-from driftcheck.numerics import stats as tstats
+from driftcheck.numerics import dtypes, stats as tstats
 from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.capture import Capturing, _Pending

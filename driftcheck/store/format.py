@@ -17,6 +17,20 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+# The address grammar lives in keys.py; re-exported here, where the trace format's readers look.
+from driftcheck.store.keys import (
+    LOCAL_PREFIX as LOCAL_PREFIX,
+    SLOT_KINDS as SLOT_KINDS,
+    Slot as Slot,
+    TraceKey as TraceKey,
+    base_slot as base_slot,
+    entry_align as entry_align,
+    is_local_slot as is_local_slot,
+    key_string as key_string,
+    sample_key as sample_key,
+    slot_kind as slot_kind,
+)
+
 FORMAT_NAME = "driftcheck.trace"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -37,22 +51,6 @@ PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 SELECTABLE_PHASES = ("forward", "backward", "grads", "optimizer")
 
 MODES = ("full", "stats", "auto")
-
-# Slots: input.<path> / output.<path> (forward), grad_output.<path> / grad_input.<path>
-# (backward), param.<name> / buffer.<name>, state.<param>.<key>, loss; a local-replay capture
-# (record --local) is local.<slot> beside the entry it replays.
-LOCAL_PREFIX = "local."
-
-
-def is_local_slot(slot: str) -> bool:
-    """Whether ``slot`` is a local-replay capture (``local.output.0``, ``local.grad_input.0``)."""
-    return slot.startswith(LOCAL_PREFIX)
-
-
-def base_slot(slot: str) -> str:
-    """``local.output.0`` -> ``output.0``: the propagated entry a local capture stands beside."""
-    return slot[len(LOCAL_PREFIX):] if is_local_slot(slot) else slot
-
 
 # Every finding kind driftcheck reports (docs/findings.md explains each): what a policy's
 # fail_on and ignore kinds are checked against. tests/test_architecture.py keeps it complete.
@@ -81,30 +79,6 @@ def kind_matches(kind: str, pattern: str) -> bool:
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(kind, pattern)
     return kind == pattern or kind.startswith(pattern + ".")
-
-
-def key_string(step: int, phase: str, module: str, call: int, slot: str) -> str:
-    """An entry's ``key``: the semantic address of one captured tensor, never a global counter.
-    Human-readable and stable; the fields are stored separately too, so the string never has
-    to be parsed back."""
-    return f"{step}/{phase}/{module or '.'}/{call}/{slot}"
-
-
-def sample_key(step: int, phase: str, module: str, call: int, slot: str) -> str:
-    """The key whose seeded positions a stats-mode sample holds (stats.sample_indices): the
-    entry's own, except for a local replay (``local.<slot>``: the replayed entry's) and a
-    parameter or buffer after the optimizer step (the same tensor's before it, phase
-    ``params``), so that the two samples hold the same positions."""
-    if is_local_slot(slot):
-        return key_string(step, phase, module, call, base_slot(slot))
-    if phase == "optimizer" and slot.startswith(("param.", "buffer.")):
-        return key_string(step, "params", module, call, slot)
-    return key_string(step, phase, module, call, slot)
-
-
-def entry_align(entry: dict[str, Any]) -> tuple[int, str, str, int, str]:
-    """(step, phase, module, call, slot): what two runs' entries are matched on."""
-    return (entry["step"], entry["phase"], entry["module"], entry["call"], entry["slot"])
 
 
 # A tied parameter: ``module`` holds ``param``, which ``owner`` owns as ``owner_param`` (where

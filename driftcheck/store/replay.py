@@ -18,6 +18,42 @@ from driftcheck.errors import DriftcheckError, TraceError
 from driftcheck.store import format as fmt
 from driftcheck.store.shard import MappedShard, shares_storage, unshare, write_error, write_safetensors
 
+# The replay file's key grammar, in one place: the model's state as ``param/<name>`` and
+# ``buffer/<name>``, each step's inputs under ``input/<step>`` (encode_batch adds the path).
+REPLAY_FORMAT = "driftcheck.replay"
+REPLAY_VERSION = 1
+RANDOMNESS = "dropout masks drawn on CPU from (seed, step, call index)"
+STATE_KINDS = ("param", "buffer")
+
+
+def state_key(kind: str, name: str) -> str:
+    """The replay key of a model state tensor: ``param/<name>`` or ``buffer/<name>``."""
+    if kind not in STATE_KINDS:
+        raise ValueError(f"state kind {kind!r} is not one of {STATE_KINDS}")
+    return f"{kind}/{name}"
+
+
+def input_prefix(step: int | str) -> str:
+    """The key prefix of one step's inputs (``input/3``; a session's calls: ``input/3.0``)."""
+    return f"input/{step}"
+
+
+def model_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state_dict a replay file holds: its ``param/`` and ``buffer/`` tensors by name."""
+    prefixes = tuple(f"{k}/" for k in STATE_KINDS)
+    return {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(prefixes)}
+
+
+def replay_meta(*, replay_id: str, seed: int, steps: int, inputs: Any, model: Any,
+                **extra: Any) -> dict[str, Any]:
+    """The replay file's JSON metadata: format, ids, the inputs' structure and where the
+    randomness comes from; ``extra`` fields (rank, cycle, driver ...) follow."""
+    meta = {"format": REPLAY_FORMAT, "version": REPLAY_VERSION, "replay_id": replay_id, "seed": seed,
+            "steps": steps, "inputs": inputs, "model": model}
+    meta.update(extra)
+    meta.setdefault("randomness", RANDOMNESS)
+    return meta
+
 
 def write_replay(trace_dir: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
                  fsync: bool = True) -> None:
@@ -59,7 +95,7 @@ def read_replay(trace_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         tensors = {k: f.read(*f.tensors[k]) for k in sorted(f.tensors)}
     except (ValueError, RuntimeError) as e:
         raise TraceError(f"{p} is not a readable replay file ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != "driftcheck.replay":
+    if not isinstance(meta, dict) or meta.get("format") != REPLAY_FORMAT:
         raise TraceError(f"{p} has no driftcheck replay metadata; re-record the reference")
     return tensors, meta
 
