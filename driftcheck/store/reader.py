@@ -100,7 +100,7 @@ class TraceReader:
         if ref is None:
             return None
         shard = self._mapped(ref["shard"], verify=True)
-        dtype, _, begin, end = self._located(entry, which, shard)
+        dtype, shape, begin, end = self._located(entry, which, shard)
         return shard.read(dtype, shape, begin, end)
 
     def chunks(self, entry: dict[str, Any], chunk_elems: int = 1 << 20,
