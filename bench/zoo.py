@@ -70,11 +70,13 @@ from driftcheck.store import TraceReader  # noqa: E402
 
 def _catalogue() -> dict[str, tuple[str, Callable[[], Scenario]]]:
     import zoo_hf
+    import zoo_hf_media
     import zoo_timm
 
     cat: dict[str, tuple[str, Callable[[], Scenario]]] = {}
     for family, table in (("torchvision", zoo_models.TORCHVISION), ("timm", zoo_timm.TIMM),
-                          ("hf", zoo_hf.HF), ("diffusers", zoo_hf.DIFFUSERS)):
+                          ("hf", {**zoo_hf.HF_TEXT, **zoo_hf_media.HF_MEDIA}),
+                          ("diffusers", zoo_hf_media.DIFFUSERS)):
         cat.update({name: (family, build) for name, build in table.items()})
     return cat
 

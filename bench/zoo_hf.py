@@ -5,7 +5,7 @@ BERT/T5/GPT-2/BART of bench/architectures.py.
 Each entry is ``<Model>(<Config>(**tiny))`` with the task head's own loss (labels = the input
 ids, -100 on padding), eager attention, seeded weights, 2 steps of batch 2 x 16 tokens (the
 second sequence padded by 3). bench/zoo_hf_media.py has the vision, speech, multimodal and
-diffusers entries; ``HF`` and ``DIFFUSERS`` (below) join both.
+diffusers entries (it imports this one; bench/zoo.py joins both).
 """
 from __future__ import annotations
 
@@ -173,11 +173,3 @@ def _text(spec: tuple[str, str, dict[str, Any]]) -> Callable[[], Scenario]:
 
 HF_TEXT: dict[str, Callable[[], Scenario]] = {k: _text(v) for k, v in TEXT.items()}
 
-
-def _joined() -> tuple[dict[str, Callable[[], Scenario]], dict[str, Callable[[], Scenario]]]:
-    import zoo_hf_media
-
-    return {**HF_TEXT, **zoo_hf_media.HF_MEDIA}, zoo_hf_media.DIFFUSERS
-
-
-HF, DIFFUSERS = _joined()
