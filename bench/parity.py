@@ -6,6 +6,7 @@
     python bench/parity.py --diff /tmp/before /tmp/after --what traces   # tensors and manifests
     python bench/parity.py --diff /tmp/before /tmp/again                 # reports, byte for byte
     python bench/parity.py --diff /tmp/before /tmp/again --new-fields limit,gate   # but new fields
+    python bench/parity.py --models bench/zoo.py:tv_resnet,bench/zoo.py:hf_rwkv --out /tmp/c   # corpus entries
 
 The matrix: every built-in and hf: scenario, an fp32 reference against a bf16 replay, full mode
 with and without local replay, stats mode; plus the audits (resnet with the simulated torch_tpu
@@ -80,9 +81,13 @@ def _extras(out: Path) -> None:
 
 
 def recompare(src: Path, dst: Path) -> None:
-    for d in sorted(p for p in src.iterdir() if p.is_dir()):
-        _compares(d, dst / d.name, EXTRA_COMPARES if d.name == "extras" else COMPARES, d.name == "extras")
-        print(f"{d.name:16s} compared", flush=True)
+    """Every model folder under ``src`` (``extras``, or one holding a ``ref`` trace: a MODEL spec
+    with a path, ``bench/zoo.py:tv_resnet``, is a folder below ``bench/``) compared again."""
+    folders = [p for p in src.rglob("*") if p.is_dir() and (p.name == "extras" or (p / "ref").is_dir())]
+    for d in sorted(folders):
+        rel = d.relative_to(src)
+        _compares(d, dst / rel, EXTRA_COMPARES if d.name == "extras" else COMPARES, d.name == "extras")
+        print(f"{str(rel):16s} compared", flush=True)
 
 
 def _manifest(path: Path) -> dict:
