@@ -157,7 +157,7 @@ class Findings:
 
     def _precision_findings(self) -> None:
         try:
-            from driftcheck.targets.precision import diff_settings
+            from driftcheck.targets.settings_diff import diff_settings
         except ImportError:  # pragma: no cover
             return
         rp, tp = self.ref.run.get("precision") or {}, self.tgt.run.get("precision") or {}

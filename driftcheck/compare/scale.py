@@ -26,7 +26,7 @@ def _matmul_roundoff(run: dict[str, Any], dtype: str, phase: str, kind: str | No
     settings = run.get("precision") or {}
     op = {"linear": "linear", "conv": "conv"}.get(kind or "", "matmul")
     try:
-        from driftcheck.targets.precision import effective_matmul_roundoff
+        from driftcheck.numerics.roundoff import effective_matmul_roundoff
 
         return effective_matmul_roundoff(settings, dtype, phase=phase, op=op)
     except (ImportError, TypeError, KeyError, ValueError):

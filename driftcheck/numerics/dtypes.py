@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from driftcheck.errors import DriftcheckError
@@ -61,11 +63,16 @@ _ALIASES: dict[str, DTypeLike] = {
 }
 
 
+def _lookup(dtype: str) -> object:
+    """A dtype name or alias (any case, ``torch.`` prefix or not) as what it names, or None."""
+    name = dtype.strip().lower().removeprefix("torch.")
+    return _ALIASES.get(name, getattr(torch, name, None))
+
+
 def canonical(dtype: DTypeLike) -> DTypeLike:
     """torch.dtype, or the string "tf32" (no torch dtype): complex -> its component dtype."""
     if isinstance(dtype, str):
-        name = dtype.strip().lower().removeprefix("torch.")
-        found = _ALIASES.get(name, getattr(torch, name, None))
+        found = _lookup(dtype)
         if not isinstance(found, torch.dtype) and found != "tf32":
             raise DriftcheckError(
                 f"unknown dtype {dtype!r}: use a torch dtype name (float32, bfloat16, "
@@ -109,6 +116,29 @@ def default_tolerances(dtype: DTypeLike) -> tuple[float, float]:
     """``(rtol, atol)`` for ``dtype`` following torch.testing.assert_close; (0, 0) for integers."""
     d = known(dtype)
     return (0.0, 0.0) if is_exact(d) else _TOLERANCES[d]
+
+
+def significand_bits(dtype: DTypeLike) -> int:
+    """p, the significand bits (implicit bit included) of a floating dtype: u = 2^-p (bf16 8,
+    fp16 11, fp32 24)."""
+    return -math.frexp(unit_roundoff(dtype))[1] + 1
+
+
+def float_name(dtype: DTypeLike) -> str:
+    """A floating dtype's trace name: ``torch.bfloat16`` / ``"bf16"`` / ``"torch.bfloat16"`` ->
+    ``"bfloat16"`` (a torch dtype is named whatever it is).
+
+    Raises:
+        DriftcheckError: a name of no floating dtype with a precision model (``"int8"``, ``"tf32"``).
+    """
+    if isinstance(dtype, torch.dtype):
+        return name_of(dtype)
+    found = _lookup(str(dtype))
+    if not (isinstance(found, torch.dtype) and found.is_floating_point and found in _UNIT_ROUNDOFF):
+        raise DriftcheckError(
+            f"unknown dtype {dtype!r}: use float32, float64, bfloat16 or float16 (bf16, fp16, ...)"
+        )
+    return name_of(found)
 
 
 def eps_tiny(d: DTypeLike) -> tuple[float, float]:

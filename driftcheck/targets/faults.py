@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
+from driftcheck.numerics import dtypes
 
 __all__ = ["Fault", "fp8_matmul", "low_precision_reduction", "offset_output", "other_dropout_mask",
            "overflow", "scale_grad", "scale_output", "starting_at", "stochastic_rounding"]
@@ -317,7 +318,7 @@ _ARITHMETIC = frozenset({
     "lerp", "avg_pool2d", "avg_pool2d_backward", "_adaptive_avg_pool2d",
     "_adaptive_avg_pool2d_backward", "mse_loss",
 })
-_MANTISSA = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+_REROUNDED = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class _StochasticRounding(TorchDispatchMode):
@@ -331,7 +332,7 @@ class _StochasticRounding(TorchDispatchMode):
             return out
         ptrs = {a.untyped_storage().data_ptr() for a in _tensors(args, kwargs)}
         for t in _tensors(out, None):
-            if t.dtype in _MANTISSA and t.numel() and t.untyped_storage().data_ptr() not in ptrs:
+            if t.dtype in _REROUNDED and t.numel() and t.untyped_storage().data_ptr() not in ptrs:
                 self._reround(t)
         return out
 
@@ -343,7 +344,7 @@ class _StochasticRounding(TorchDispatchMode):
         finfo = torch.finfo(t.dtype)
         x = t.float()
         _, e = torch.frexp(x)
-        ulp = torch.ldexp(torch.ones_like(x), e - _MANTISSA[t.dtype]).clamp(min=finfo.tiny * finfo.eps)
+        ulp = torch.ldexp(torch.ones_like(x), e - dtypes.significand_bits(t.dtype)).clamp(min=finfo.tiny * finfo.eps)
         frac = torch.rand(x.shape, generator=self.g).to(x.device) - 0.5  # where the exact value was
         move = torch.sign(frac) * (torch.rand(x.shape, generator=self.g).to(x.device) < frac.abs())
         ok = torch.isfinite(x) & (x != 0)

@@ -2,9 +2,10 @@
 
 Two runs of correct code differ by what their settings allow: dtype, autocast, fp32 matmul
 precision (TF32 on CUDA, bf16 passes on TPU), fp8, thread count (reduction order), library
-versions. :func:`capture_settings` records them, :func:`diff_settings` says which differences can
-explain drift, and :func:`effective_matmul_roundoff` turns them into the unit roundoff the noise
-floor uses for a matmul-like op.
+versions. :func:`capture_settings` records them and :func:`apply_settings` sets the knobs of this
+process; :mod:`driftcheck.targets.settings_diff` says which differences can explain drift, and
+:func:`driftcheck.numerics.roundoff.effective_matmul_roundoff` turns them into the unit roundoff
+the noise floor uses for a matmul-like op.
 """
 from __future__ import annotations
 
@@ -18,61 +19,14 @@ from typing import Any
 import torch
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.numerics import dtypes
 from driftcheck.targets import devices
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-_ALIASES = {
-    "fp64": "float64", "double": "float64", "float64": "float64",
-    "fp32": "float32", "float": "float32", "float32": "float32",
-    "fp16": "float16", "half": "float16", "float16": "float16",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-}
-# Unit roundoff u = 2^-p (p = significand bits incl. the implicit one); see DESIGN.md, Numerics.
-UNIT_ROUNDOFF = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "tf32": 2.0**-11,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-    "float8_e4m3fn": 2.0**-4,
-    "float8_e5m2": 2.0**-3,
-}
-FP8_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
-# torch_tpu replaces the fp32 matmul: "medium" (its default) is one bf16 pass, "high" three
-# (bf16x3, ~16 significant bits), "highest" six (fp32-accurate).
-TPU_MATMUL_ROUNDOFF = {"medium": 2.0**-8, "default": 2.0**-8, "high": 2.0**-16, "highest": 2.0**-24}
 _ENV_NAMES = ("XLA_FLAGS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "NVIDIA_TF32_OVERRIDE",
               "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS")
 _VERSION_PACKAGES = {"numpy": "numpy", "safetensors": "safetensors", "driftcheck": "driftcheck",
                      "torch_tpu": "torch-tpu", "transformers": "transformers"}
-# Keys whose difference never changes a number (flattened, dotted).
-_ATOMIC = ("fp8",)
-# The autoload switch only says whether torch_tpu was loaded; torch_tpu_loaded records that fact.
-_NOT_NUMERIC = ("host.node", "device.index", "device.count", "matmul_precision_source",
-                "env.TORCH_DEVICE_BACKEND_AUTOLOAD")
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``torch.bfloat16`` / ``"bf16"`` / ``"torch.bfloat16"`` -> ``"bfloat16"``.
-
-    Raises:
-        DriftcheckError: an unknown floating-point dtype name.
-    """
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    name = str(dtype).strip().lower().removeprefix("torch.")
-    if name in _ALIASES:
-        return _ALIASES[name]
-    if name in UNIT_ROUNDOFF and name != "tf32":
-        return name
-    raise DriftcheckError(
-        f"unknown dtype {dtype!r}: use float32, float64, bfloat16 or float16 (bf16, fp16, ...)"
-    )
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """A dtype name or alias (``bf16``, ``fp32``, ``float16``) as a ``torch.dtype``."""
-    return getattr(torch, dtype_name(name))
 
 
 def _truthy(value: str | None) -> bool:
@@ -171,8 +125,8 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
     backend_versions = device_info.pop("versions", {})  # kept once, under "versions"
     settings: dict[str, Any] = {
         "device": device_info,
-        "dtype": dtype_name(dtype),
-        "autocast": dtype_name(autocast) if autocast else None,
+        "dtype": dtypes.float_name(dtype),
+        "autocast": dtypes.float_name(autocast) if autocast else None,
         "matmul_precision": matmul_precision or _matmul_precision(),
         "matmul_precision_source": "requested" if matmul_precision else "torch",
         "allow_tf32": {"cuda_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
@@ -264,112 +218,3 @@ def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None 
     if threads is not None:
         torch.set_num_threads(threads)
     return previous
-
-
-def _fp32_roundoff(settings: dict[str, Any], op: str) -> float:
-    device = (settings.get("device") or {}).get("type", "cpu")
-    precision = settings.get("matmul_precision") or "highest"
-    fp32 = settings.get("fp32_precision") or {}
-    conv = op == "conv"
-    emulation = settings.get("emulation") or {}
-    if emulation.get("backend") == "tpu":
-        # driftcheck/emulate.py: this CPU/CUDA run computed its matmuls as a TPU does
-        return TPU_MATMUL_ROUNDOFF.get(emulation.get("matmul_precision") or "default", 2.0**-8)
-    if device == "tpu":
-        # XLA's precision config covers dot and convolution alike.
-        return TPU_MATMUL_ROUNDOFF.get(precision, 2.0**-8)
-    if device == "cuda":
-        flags = settings.get("allow_tf32") or {}
-        if conv:
-            tf32 = flags.get("cudnn") or fp32.get("cudnn.conv") == "tf32"
-        else:
-            tf32 = (flags.get("cuda_matmul") or fp32.get("cuda.matmul") == "tf32"
-                    or precision in ("high", "medium"))
-        if tf32 and (settings.get("env") or {}).get("NVIDIA_TF32_OVERRIDE") != "0":
-            return UNIT_ROUNDOFF["tf32"]
-        return UNIT_ROUNDOFF["float32"]
-    if device == "cpu":
-        mode = fp32.get("mkldnn.conv" if conv else "mkldnn.matmul")
-        if mode in ("bf16", "tf32") and (settings.get("host") or {}).get("amx_bf16"):
-            return UNIT_ROUNDOFF["bfloat16" if mode == "bf16" else "tf32"]
-        return UNIT_ROUNDOFF["float32"]
-    # Other backends (mps, xpu, PrivateUse1): torch's documented meaning of the precision names.
-    return {"medium": 2.0**-8, "high": 2.0**-11}.get(precision, UNIT_ROUNDOFF["float32"])
-
-
-def effective_matmul_roundoff(settings: dict[str, Any], tensor_dtype: str, phase: str = "forward",
-                              op: str = "linear") -> float:
-    """The unit roundoff a matmul-like op of a run with ``settings`` effectively computes with.
-
-    Args:
-        settings: a dict from :func:`capture_settings` (missing keys mean torch defaults).
-        tensor_dtype: the dtype of the op's inputs (``"float32"``, ``"bf16"``, ...).
-        phase: ``"forward"`` or ``"backward"``/``"grads"``: the ``hybrid`` fp8 recipe uses e4m3
-            forward and e5m2 for gradients.
-        op: ``"linear"`` (nn.Linear: the fp8 recipe applies), ``"matmul"`` (other matmuls,
-            attention) or ``"conv"`` (cuDNN/oneDNN convolution flags apply instead of matmul ones).
-
-    Returns:
-        The largest roundoff among the op's dtype, the autocast dtype, the fp32 mode of the device
-        (TF32 2^-11 on CUDA; TPU medium 2^-8, high 2^-16, highest 2^-24) and the fp8 format.
-
-    Raises:
-        ValueError: ``tensor_dtype`` is not a floating-point dtype, or ``op`` is unknown.
-    """
-    if op not in ("linear", "matmul", "conv"):
-        raise ValueError(f"op must be linear, matmul or conv, not {op!r}")
-    try:
-        name = dtype_name(tensor_dtype)
-    except DriftcheckError as err:  # a programming error here, not a user's input
-        raise ValueError(str(err)) from None
-    roundoff = UNIT_ROUNDOFF[name]
-    if name == "float32":
-        roundoff = max(roundoff, _fp32_roundoff(settings, op))
-    if settings.get("autocast") and name in ("float32", "float64"):
-        roundoff = max(roundoff, UNIT_ROUNDOFF[dtype_name(settings["autocast"])])
-    fp8 = settings.get("fp8")
-    if fp8 and op == "linear":
-        fmt = fp8.get("format", "e4m3")
-        if fmt == "hybrid":
-            fmt = "e4m3" if phase == "forward" else "e5m2"
-        roundoff = max(roundoff, FP8_ROUNDOFF[fmt])
-    return roundoff
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        # The fp8 recipe is one setting (one row in a diff); an empty dict adds no key, so absent
-        # and empty compare equal.
-        if isinstance(value, dict) and path not in _ATOMIC:
-            flat.update(_flatten(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
-
-
-def explains_drift(key: str) -> bool:
-    """Whether a difference in the (dotted) setting ``key`` can change the numbers of a run.
-
-    Everything that selects kernels or rounding does (dtype, autocast, matmul precision, TF32, fp8,
-    device type and name, versions, env flags, and the thread count, which changes the order of
-    float reductions); the host name and the device index do not.
-    """
-    return not any(key == name or key.startswith(name + ".") for name in _NOT_NUMERIC)
-
-
-def diff_settings(ref: dict[str, Any], tgt: dict[str, Any]) -> list[tuple[str, Any, Any, bool]]:
-    """The settings that differ between two runs, sorted by dotted key.
-
-    Returns:
-        ``(key, reference value, target value, explains_drift)`` per differing leaf; a key absent on
-        one side has the value None there.
-    """
-    flat_ref, flat_tgt = _flatten(ref), _flatten(tgt)
-    rows = []
-    for key in sorted(set(flat_ref) | set(flat_tgt)):
-        a, b = flat_ref.get(key), flat_tgt.get(key)
-        if a != b:
-            rows.append((key, a, b, explains_drift(key)))
-    return rows
