@@ -12,7 +12,7 @@ import sys
 import click
 
 from driftcheck.cli import commands  # noqa: F401  (registers the commands on the group)
-from driftcheck.cli.app import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, _one_line, cli
+from driftcheck.cli.app import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, cli, one_line
 from driftcheck.cli.commands import probe_main
 from driftcheck.errors import DriftcheckError
 
@@ -51,7 +51,7 @@ def _main(argv: list[str] | None) -> None:
             import traceback
 
             traceback.print_exc()
-        click.echo(f"driftcheck: {_one_line(str(e))}", err=True)
+        click.echo(f"driftcheck: {one_line(str(e))}", err=True)
         raise SystemExit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         click.echo("driftcheck: interrupted", err=True)

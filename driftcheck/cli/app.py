@@ -17,7 +17,7 @@ from driftcheck.version import __version__
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 
-class _Ctx:
+class Ctx:
     def __init__(self, debug: bool, quiet: bool, no_color: bool) -> None:
         self.debug, self.quiet = debug, quiet
         self.no_color = no_color or bool(os.environ.get("NO_COLOR"))
@@ -32,15 +32,15 @@ class _Ctx:
         return console
 
 
-def _everywhere(f: Any) -> Any:
+def everywhere(f: Any) -> Any:
     """--quiet, --no-color and --debug are accepted after the command name too."""
     def quiet(ctx: click.Context, _p: Any, value: bool) -> None:
         if value:
-            ctx.find_object(_Ctx).quiet = True
+            ctx.find_object(Ctx).quiet = True
 
     def no_color(ctx: click.Context, _p: Any, value: bool) -> None:
         if value:
-            ctx.find_object(_Ctx).no_color = True
+            ctx.find_object(Ctx).no_color = True
 
     f = click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=quiet,
                      help="Less output: errors, warnings and a verdict line only.")(f)
@@ -50,7 +50,7 @@ def _everywhere(f: Any) -> Any:
                         help="Show tracebacks for errors.")(f)
 
 
-def _ranges(spec: str | None) -> list[int] | None:
+def parse_ranges(spec: str | None) -> list[int] | None:
     """'0-2,5' -> [0, 1, 2, 5]."""
     if not spec:
         return None
@@ -70,7 +70,7 @@ def _ranges(spec: str | None) -> list[int] | None:
     return out
 
 
-def _phases(spec: str | None) -> list[str] | None:
+def parse_phases(spec: str | None) -> list[str] | None:
     from driftcheck.store.format import SELECTABLE_PHASES
 
     if not spec:
@@ -95,10 +95,10 @@ def cli(ctx: click.Context, debug: bool, quiet: bool, no_color: bool) -> None:
     a precision-aware noise floor. Exit codes: 0 pass, 1 drift or findings beyond policy,
     2 bad input.
     """
-    ctx.obj = _Ctx(debug, quiet, no_color)
+    ctx.obj = Ctx(debug, quiet, no_color)
 
 
-def _progress(obj: _Ctx) -> Any:
+def make_progress(obj: Ctx) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -118,7 +118,7 @@ def _apply(f: Any, options: list[Any]) -> Any:
     return f
 
 
-def _capture_options(f: Any) -> Any:
+def capture_options(f: Any) -> Any:
     """What a record captures (both sides of ``run`` capture alike, so their entries line up)."""
     return _apply(f, [
         click.option("--mode", type=click.Choice(["full", "stats", "auto"]), default="full", show_default=True,
@@ -134,7 +134,7 @@ def _capture_options(f: Any) -> Any:
     ])
 
 
-def _precision_options(whose: str) -> Any:
+def precision_options(whose: str) -> Any:
     """How a run computes: autocast, fp8, float32 matmul precision and TPU emulation. ``whose``
     names the run they apply to in the help ("the", "the target's")."""
     def decorate(f: Any) -> Any:
@@ -155,7 +155,7 @@ def _precision_options(whose: str) -> Any:
     return decorate
 
 
-def _compile_options(both_sides: bool) -> Any:
+def compile_options(both_sides: bool) -> Any:
     """``torch.compile`` of a record (``both_sides``: ``run``'s target, and its reference by
     ``--reference-compile``)."""
     whose = "the target's" if both_sides else "the"
@@ -180,7 +180,7 @@ def _compile_options(both_sides: bool) -> Any:
 
 
 # -- compare ------------------------------------------------------------------------------------
-def _outputs_options(f: Any) -> Any:
+def outputs_options(f: Any) -> Any:
     for opt in reversed([
         click.option("--json", "json_path", type=click.Path(), default=None, help="Write the JSON report."),
         click.option("--html", "html_path", type=click.Path(), default=None, help="Write the HTML report."),
@@ -191,7 +191,7 @@ def _outputs_options(f: Any) -> Any:
     return f
 
 
-def _write_outputs(report: Any, json_path: str | None, html_path: str | None,
+def write_outputs(report: Any, json_path: str | None, html_path: str | None,
                    junit_path: str | None, md_path: str | None) -> None:
     """Write the report's outputs; a path ``-`` is standard output (one of them at most)."""
     if [json_path, html_path, junit_path, md_path].count("-") > 1:
@@ -224,18 +224,18 @@ def _write_outputs(report: Any, json_path: str | None, html_path: str | None,
         write(md_path, render_markdown(report))
 
 
-def _finish(obj: _Ctx, report: Any, top: int, json_path: str | None, html_path: str | None,
+def finish(obj: Ctx, report: Any, top: int, json_path: str | None, html_path: str | None,
             junit_path: str | None, md_path: str | None) -> None:
     from driftcheck.report.terminal import render_terminal
 
-    _write_outputs(report, json_path, html_path, junit_path, md_path)
+    write_outputs(report, json_path, html_path, junit_path, md_path)
     # an output written to standard output keeps it to itself: the terminal view goes to stderr
     stdout_taken = "-" in (json_path, html_path, junit_path, md_path)
     render_terminal(report, obj.console(stderr=stdout_taken), top=top, quiet=obj.quiet)
     raise SystemExit(EXIT_PASS if report else EXIT_FAIL)
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """Messages quote module names from user code: keep them to one printable line."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.replace("\n", " "))
 

@@ -21,19 +21,19 @@ from driftcheck.cli.app import (
     EXIT_FAIL,
     EXIT_PASS,
     SIMULATED,
-    _capture_options,
-    _compile_options,
-    _Ctx,
-    _everywhere,
-    _finish,
-    _outputs_options,
-    _phases,
-    _precision_options,
-    _progress,
-    _ranges,
-    _write_outputs,
+    Ctx,
+    capture_options,
     cli,
+    compile_options,
+    everywhere,
+    finish,
+    make_progress,
+    outputs_options,
     parse_env,
+    parse_phases,
+    parse_ranges,
+    precision_options,
+    write_outputs,
 )
 from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd
 from driftcheck.errors import DriftcheckError
@@ -42,9 +42,9 @@ from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
 
 # -- models -------------------------------------------------------------------------------------
 @cli.command()
-@_everywhere
+@everywhere
 @click.pass_obj
-def models(obj: _Ctx) -> None:
+def models(obj: Ctx) -> None:
     """List the built-in models and the Hugging Face families."""
     from driftcheck import models as builtin
 
@@ -74,9 +74,9 @@ def models(obj: _Ctx) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
 @click.option("--replay", type=click.Path(), default=None, help="Start from this reference trace's weights and inputs.")
 @click.option("--force", is_flag=True, help="Overwrite an existing trace directory.")
-@_capture_options
-@_precision_options("the")
-@_compile_options(False)
+@capture_options
+@precision_options("the")
+@compile_options(False)
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
@@ -93,9 +93,9 @@ def models(obj: _Ctx) -> None:
 @click.option("--simulate", type=click.Choice(SIMULATED),
               default=None, help="Run on a simulated faulty backend (to see the audits catch it).")
 @functools.partial(long_options, record=True)
-@_everywhere
+@everywhere
 @click.pass_obj
-def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
+def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int | None, seed: int,
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
@@ -130,9 +130,9 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
             and (not Path(out).is_dir() or any(Path(out).iterdir())):
         raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it or choose "
                               "another directory")
-    from driftcheck.record.runner import parse_dtype
+    from driftcheck.numerics.dtypes import parse_cli
 
-    parse_dtype(dtype)
+    parse_cli(dtype)
     torch_device = devices.open_device(device)
     emulate_level = None
     if emulate:
@@ -163,7 +163,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
     if local is None and not no_local and compile_ is None:
         local = default_local(replay, mode=mode, parallel=parallel, fp8=fp8, start=start)
     scenario = load_scenario(model, seed)
-    progress = _progress(obj)
+    progress = make_progress(obj)
     lines = os.environ.get(PROGRESS_VAR) == "lines"  # driftcheck run reads them from our stderr
 
     def on_step(i: int, n: int) -> None:
@@ -177,7 +177,7 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
         out = str(do_record(
             scenario, out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
-            full_modules=full_modules, phases=_phases(phases), capture_steps=_ranges(capture_steps),
+            full_modules=full_modules, phases=parse_phases(phases), capture_steps=parse_ranges(capture_steps),
             transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
             simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step,
             start=start, env=env, compile=compile_))
@@ -212,10 +212,10 @@ def record(obj: _Ctx, model: str, out: str, device: str, dtype: str, steps: int 
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
 @click.option("--control", type=click.Path(), default=None,
               help="Long runs: the control run whose distance from REF draws the band.")
-@_outputs_options
-@_everywhere
+@outputs_options
+@everywhere
 @click.pass_obj
-def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: str | None,
+def compare(obj: Ctx, ref: str, target: str, truth: str | None, policy_path: str | None,
             limit: float | None, top: int, control: str | None, json_path: str | None,
             html_path: str | None, junit_path: str | None, md_path: str | None) -> None:
     """Compare TARGET against REF; exit 0 pass, 1 fail, 2 bad input."""
@@ -236,11 +236,11 @@ def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: st
         # Run directories of a torchrun record (rank-0, rank-1, ...): rank by rank, one verdict.
         report = compare_ranks(ref, target, policy=policy, limit=limit, truth=truth)
     else:
-        with _progress(obj) as p:
+        with make_progress(obj) as p:
             task = p.add_task("comparing", total=None)
             report = do_compare(ref, target, policy=policy, limit=limit, truth=truth,
                                 on_progress=lambda i, n: p.update(task, completed=i, total=n))
-    _finish(obj, report, top, json_path, html_path, junit_path, md_path)
+    finish(obj, report, top, json_path, html_path, junit_path, md_path)
 
 
 
@@ -248,10 +248,10 @@ def compare(obj: _Ctx, ref: str, target: str, truth: str | None, policy_path: st
 # -- report -------------------------------------------------------------------------------------
 @cli.command()
 @click.argument("report_json", type=click.Path())
-@_outputs_options
-@_everywhere
+@outputs_options
+@everywhere
 @click.pass_obj
-def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | None,
+def report(obj: Ctx, report_json: str, json_path: str | None, html_path: str | None,
            junit_path: str | None, md_path: str | None) -> None:
     """Render a saved REPORT.json as HTML, JUnit or Markdown; exit code as the verdict."""
     from driftcheck.gate.report import Report
@@ -267,7 +267,7 @@ def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | 
         raise DriftcheckError(f"{report_json} is not a driftcheck report ({why or type(e).__name__})") from None
     if not any((json_path, html_path, junit_path, md_path)):
         raise DriftcheckError("nothing to do: pass --html FILE, --junit FILE, --summary-md FILE or --json FILE")
-    _write_outputs(rep, json_path, html_path, junit_path, md_path)
+    write_outputs(rep, json_path, html_path, junit_path, md_path)
     if not obj.quiet:
         from driftcheck.report.common import conclusion
 
@@ -280,9 +280,9 @@ def report(obj: _Ctx, report_json: str, json_path: str | None, html_path: str | 
 @cli.command()
 @click.option("--device", required=True, help="Device to check against CPU.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Write results as JSON.")
-@_everywhere
+@everywhere
 @click.pass_obj
-def probe(obj: _Ctx, device: str, json_path: str | None) -> None:
+def probe(obj: Ctx, device: str, json_path: str | None) -> None:
     """Run the view/in-place conformance suite on DEVICE against CPU; exit 1 on any mismatch."""
     from driftcheck.targets import devices
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from driftcheck.cli.app import _Ctx, _everywhere, _finish, _outputs_options, _progress, cli
+from driftcheck.cli.app import Ctx, cli, everywhere, finish, make_progress, outputs_options
 from driftcheck.errors import DriftcheckError
 
 
@@ -61,10 +61,10 @@ def drill_report(report: Any, ref: str, target: str, out: Path, point: Any = Non
 @click.option("--limit", type=float, default=None, help="Ratio limit per op  [default: the policy's, 3.5]")
 @click.option("--policy", "policy_path", type=click.Path(), default=None, help="Policy file.")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
-@_outputs_options
-@_everywhere
+@outputs_options
+@everywhere
 @click.pass_obj
-def drill_cmd(obj: _Ctx, ref: str, target: str, module: str | None, step: int | None,
+def drill_cmd(obj: Ctx, ref: str, target: str, module: str | None, step: int | None,
               phase: str | None, call: int | None, out: str | None, force: bool,
               limit: float | None, policy_path: str | None, top: int, json_path: str | None,
               html_path: str | None, junit_path: str | None, md_path: str | None) -> None:
@@ -80,7 +80,7 @@ def drill_cmd(obj: _Ctx, ref: str, target: str, module: str | None, step: int | 
     from driftcheck.drill import point_of
     from driftcheck.gate.policy import Policy
 
-    with _progress(obj) as p:
+    with make_progress(obj) as p:
         task = p.add_task("comparing", total=None)
         report = compare(ref, target, policy=Policy.load(policy_path, "."), limit=limit,
                          on_progress=lambda i, n: p.update(task, completed=i, total=n))
@@ -92,7 +92,7 @@ def drill_cmd(obj: _Ctx, ref: str, target: str, module: str | None, step: int | 
     _finish_drill(obj, report, result, top, json_path, html_path, junit_path, md_path)
 
 
-def _say_drill(obj: _Ctx, result: Any, dest: Path, say: Callable[[str], None] | None = None) -> None:
+def _say_drill(obj: Ctx, result: Any, dest: Path, say: Callable[[str], None] | None = None) -> None:
     if obj.quiet:
         return
     say = say or (lambda m: click.echo(m, err=True))
@@ -106,7 +106,7 @@ def _say_drill(obj: _Ctx, result: Any, dest: Path, say: Callable[[str], None] | 
                f"(e.g. {', '.join(result.unmatched_target_ops[:3])})" if result.unmatched_target_ops else ""))
 
 
-def drill_after_run(obj: _Ctx, report: Any, ref_dir: Path, tgt_dir: Path, out_dir: Path,
+def drill_after_run(obj: Ctx, report: Any, ref_dir: Path, tgt_dir: Path, out_dir: Path,
                     limit: float | None, progress: Any) -> None:
     """``driftcheck run``'s drill-down of a failed verdict, into OUT/drill; a first divergence
     that cannot be drilled (a finding, an optimizer entry) is said in one line, not an error."""
@@ -134,8 +134,8 @@ def drill_after_run(obj: _Ctx, report: Any, ref_dir: Path, tgt_dir: Path, out_di
     _say_drill(obj, result, dest, say)
 
 
-def _finish_drill(obj: _Ctx, report: Any, result: Any, top: int, *outputs: str | None) -> None:
+def _finish_drill(obj: Ctx, report: Any, result: Any, top: int, *outputs: str | None) -> None:
     try:
-        _finish(obj, report, top, *outputs)
+        finish(obj, report, top, *outputs)
     except SystemExit as e:  # the report's verdict, and 1 also where a forced drill found an op
         raise SystemExit(1 if result.root_cause is not None else e.code) from None

@@ -46,13 +46,13 @@ def record_long_cmd(obj: Any, model: str, out: str, device: str, dtype: str, ste
                     seed: int, replay: str | None, force: bool, autocast: str | None, every: int,
                     points_every: int | None, perturb: bool, simulate: str | None = None) -> None:
     from driftcheck.loader import load_scenario
+    from driftcheck.numerics.dtypes import parse_cli
     from driftcheck.record.long import record_long
-    from driftcheck.record.runner import parse_dtype
     from driftcheck.targets import devices
 
     if steps is None:
         raise DriftcheckError("--long needs --steps N (how many training steps to run)")
-    parse_dtype(dtype)
+    parse_cli(dtype)
     torch_device = devices.open_device(device)
     from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
 
@@ -107,12 +107,12 @@ def run_long(obj: Any, *, model: str, out: Path, ref_device: str, tgt_device: st
     sim = ["--simulate", simulate] if simulate else []  # the target only
     renv, tenv = reference_env or {}, target_env or {}
     re_args, te_args = run_mod.env_args(renv), run_mod.env_args(tenv)
-    run_mod._record([model, "--out", str(ref), "--device", ref_device, "--dtype", reference_dtype]
+    run_mod.record_side([model, "--out", str(ref), "--device", ref_device, "--dtype", reference_dtype]
                     + common + re_args, "reference (long)", obj.debug, say, env=renv)
-    run_mod._record([model, "--out", str(tgt), "--device", tgt_device, "--dtype", target_dtype,
+    run_mod.record_side([model, "--out", str(tgt), "--device", tgt_device, "--dtype", target_dtype,
                      "--replay", str(ref)] + cast + sim + common + te_args, "target (long)", obj.debug,
                     say, env=tenv)
-    run_mod._record([model, "--out", str(ctl), "--device", ref_device, "--dtype", target_dtype,
+    run_mod.record_side([model, "--out", str(ctl), "--device", ref_device, "--dtype", target_dtype,
                      "--replay", str(ref), "--perturb"] + cast + common + re_args,
                     "control (the target's precision on the reference device, weights 1 ulp off)",
                     obj.debug, say, env=renv)
@@ -130,16 +130,16 @@ def run_long(obj: Any, *, model: str, out: Path, ref_device: str, tgt_device: st
         fb = out / FIRST_BAD
         seg = ["--replay", str(ref), "--start", str(start), "--steps", str(s - start + 1),
                "--capture-steps", str(s), "--seed", str(seed), "--force"]
-        run_mod._record([model, "--out", str(fb / layout.REFERENCE), "--device", ref_device,
+        run_mod.record_side([model, "--out", str(fb / layout.REFERENCE), "--device", ref_device,
                          "--dtype", reference_dtype] + seg + re_args, f"step {s} in full, reference",
                         obj.debug, say, env=renv)
-        run_mod._record([model, "--out", str(fb / layout.TARGET), "--device", tgt_device,
+        run_mod.record_side([model, "--out", str(fb / layout.TARGET), "--device", tgt_device,
                          "--dtype", target_dtype] + cast + sim + seg + te_args,
                         f"step {s} in full, target", obj.debug, say, env=tenv)
         full = compare(str(fb / layout.REFERENCE), str(fb / layout.TARGET))
-        from driftcheck.cli.app import _write_outputs
+        from driftcheck.cli.app import write_outputs
 
-        _write_outputs(full, str(fb / layout.REPORT_JSON), str(fb / layout.REPORT_HTML), None, None)
+        write_outputs(full, str(fb / layout.REPORT_JSON), str(fb / layout.REPORT_HTML), None, None)
     _write(rep, full, str(out / LONG_REPORT_JSON), str(out / LONG_REPORT_HTML) if html else None)
     if not obj.quiet:
         for line in terminal_lines(rep, full):

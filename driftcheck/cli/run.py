@@ -10,17 +10,17 @@ import click
 
 from driftcheck.cli.app import (
     SIMULATED,
-    _capture_options,
-    _compile_options,
-    _Ctx,
-    _everywhere,
-    _finish,
-    _phases,
-    _precision_options,
-    _progress,
-    _ranges,
+    Ctx,
+    capture_options,
     cli,
+    compile_options,
+    everywhere,
+    finish,
+    make_progress,
     parse_env,
+    parse_phases,
+    parse_ranges,
+    precision_options,
 )
 from driftcheck.cli.long import long_options, run_long
 from driftcheck.errors import DriftcheckError
@@ -35,8 +35,8 @@ from driftcheck.errors import DriftcheckError
               help="Target device: tpu, cuda[:N], cpu (a precision what-if), mps, xpu or a PrivateUse1 name.")
 @click.option("--reference-dtype", default="fp32", show_default=True, help="Reference dtype: fp32, bf16, fp16 or fp64.")
 @click.option("--target-dtype", default="fp32", show_default=True, help="Target dtype: fp32, bf16, fp16 or fp64.")
-@_precision_options("the target's")
-@_compile_options(True)
+@precision_options("the target's")
+@compile_options(True)
 @click.option("--truth", type=click.Choice(["fp64"]), default=None,
               help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local/--no-local", "local", default=None,
@@ -54,7 +54,7 @@ from driftcheck.errors import DriftcheckError
 @click.option("--force", is_flag=True, help="Replace an earlier run in --out.")
 @click.option("--steps", type=int, default=None, help="Training steps  [default: the scenario's]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the model, inputs and dropout masks.")
-@_capture_options
+@capture_options
 @click.option("--view-audit", is_flag=True,
               help="Record view/in-place events on both sides for the BatchNorm/view/in-place audits.")
 @click.option("--simulate", type=click.Choice(SIMULATED),
@@ -68,9 +68,9 @@ from driftcheck.errors import DriftcheckError
 @click.option("--junit", "junit_path", type=click.Path(), default=None, help="Also write JUnit XML here.")
 @click.option("--summary-md", "md_path", type=click.Path(), default=None, help="Also write a Markdown summary here.")
 @functools.partial(long_options, record=False)
-@_everywhere
+@everywhere
 @click.pass_obj
-def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
+def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
         emulate: str | None, compile_backend: str | None, compile_mode: str | None,
         dynamic: bool | None, reference_compile: str | None, truth: str | None, local: bool | None, drill: bool, reference_env: tuple,
@@ -100,8 +100,8 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
 
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")
-    _phases(phases)
-    _ranges(capture_steps)
+    parse_phases(phases)
+    parse_ranges(capture_steps)
     sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
                   reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                   fp8=fp8, matmul_precision=matmul_precision, emulate=emulate, truth=truth, local=local,
@@ -110,7 +110,7 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
                   transfer=transfer, view_audit=view_audit, simulate=simulate,
                   reference_env=ref_env, target_env=tgt_env, compile=compile_backend,
                   reference_compile=reference_compile, compile_mode=compile_mode, dynamic=dynamic)
-    progress = _progress(obj)
+    progress = make_progress(obj)
     with progress as p:
         out_dir, ref_dir, tgt_dir, truth_dir = record_sides(
             sides, debug=obj.debug, say=None if obj.quiet else (lambda m: p.console.print(m, markup=False,
@@ -133,5 +133,5 @@ def run(obj: _Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype
                             "module from; rerun with --mode full)", markup=False, highlight=False)
     if not obj.quiet:
         click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
-    _finish(obj, report, top, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
+    finish(obj, report, top, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
             junit_path, md_path)

@@ -36,7 +36,7 @@ from driftcheck.drill import oplog
 from driftcheck.drill.align import align
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
-from driftcheck.record.local import _fork_rng, _rng_state, _set_rng_state
+from driftcheck.record.local import fork_rng, rng_state, set_rng_state
 
 
 @dataclass
@@ -64,7 +64,8 @@ class DrillHook:
                  inner: Callable[[nn.Module], Any] | None = None) -> None:
         self.point, self.ref_dir, self.keep, self.ref_ops = point, ref_dir, keep, ref_ops
         self.dropout, self.inner = dropout, inner
-        self.step, self.calls, self.inner_hook = -1, 0, None
+        self.step, self.calls = -1, 0
+        self.inner_hook: Any = None  # what the target hooks return: maybe set_step, remove
         self.ops: list[oplog.OpRecord] | None = None
         self.info: dict[str, Any] = {}
         self._mark: Any = None
@@ -91,7 +92,7 @@ class DrillHook:
     def _pre(self, module: nn.Module, args: tuple) -> None:
         if self._here() and self._mark is None:
             dev = next((t.device for t in module.parameters()), torch.device("cpu"))
-            self._mark = (_rng_state(dev), self.dropout.index if self.dropout is not None else None)
+            self._mark = (rng_state(dev), self.dropout.index if self.dropout is not None else None)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._here():
@@ -123,8 +124,8 @@ class DrillHook:
               ) -> list[oplog.OpRecord]:
         rng, mask_index = self._mark
         dev = next((t.device for t in module.parameters()), torch.device("cpu"))
-        with _fork_rng(dev):
-            _set_rng_state(rng)
+        with fork_rng(dev):
+            set_rng_state(rng)
             if mask_index is not None:
                 saved = (self.dropout.index, len(self.dropout.masks))
                 self.dropout.index = mask_index
@@ -236,10 +237,10 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
     """Rebuild the run recorded in ``trace`` (which replayed ``ref``, or is ``ref``), train it up
     to ``point`` and drill that call: (the ops, what the drill saw)."""
     from driftcheck.loader import load_scenario
+    from driftcheck.numerics.dtypes import parse_cli as parse_dtype
     from driftcheck.record.loop import train
     from driftcheck.record.points import load_state, segment
     from driftcheck.record.rng import DropoutControl
-    from driftcheck.record.runner import parse_dtype
     from driftcheck.store import TraceReader
     from driftcheck.store.replay import decode_batch, read_replay
     from driftcheck.targets import devices

@@ -1,11 +1,12 @@
 """Taking captures: each tensor copied (or summarised) at hook time, then moved to the host in
-one batched transfer per step and handed to the writer (methods of the Tracer).
+one batched transfer per step and handed to the writer (``Capture``, owned by the Tracer).
 
 The cost of ``_capture`` is stats mode's overhead on a small model: plain tuples, cached names,
 no context managers on its fast path.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any
@@ -13,14 +14,17 @@ from typing import Any
 import torch
 
 from driftcheck.numerics import dtypes, stats as tstats
-from driftcheck.store import format as fmt
+from driftcheck.record.config import CaptureConfig
+from driftcheck.record.selection import Selection
+from driftcheck.store.keys import key_string, sample_key
+from driftcheck.store.writer import TraceWriter
 
 # On the host a flush is no sync point: captures go to the writer once this much waits, so
 # writing a full-mode step overlaps the step instead of starting at its end.
 HOST_FLUSH_BYTES = 64 << 20
 
 
-class _Pending:
+class Pending:
     __slots__ = ("dev_meta", "entry", "summary", "tensor")
 
     def __init__(self, entry: dict[str, Any], tensor: torch.Tensor | None,
@@ -32,8 +36,55 @@ class _Pending:
         self.summary = summary  # (stats row, sample), taken at hook time instead of a copy
 
 
-class Capturing:
-    """The capture half of :class:`driftcheck.record.tracer.Tracer` (its state lives there)."""
+Summary = tuple[Any, torch.Tensor | None]  # (stats row, sample), taken at hook time
+Known = tuple[Any, ...]  # (weak ref, identity, row, sample key, sample) of a summarised tensor
+
+
+class Capture:
+    """The captures of the step being traced, on their way to the writer.
+
+    Args:
+        writer: where captures go.
+        selection: which modules keep full tensors (``Selection.full``), which phases of
+            which steps are captured (``wants``).
+        config: the seed of the samples, the transfer mode and the bytes that may wait.
+    """
+
+    def __init__(self, writer: TraceWriter, selection: Selection, config: CaptureConfig) -> None:
+        self.writer = writer
+        self.selection = selection
+        self.seed = config.seed
+        self.transfer = config.transfer
+        self.max_pending_bytes = config.max_pending_bytes
+        self.step = 0  # the step being traced
+        self.audit: Any = None  # a ViewAudit dispatch mode, when the view audit is on
+        self.order = 0  # execution order of the step's captures
+        self.pending: list[Pending] = []
+        self.pending_bytes = 0
+        self._host = tstats.HostSummaries(config.seed)
+        self.reset()
+
+    def reset(self) -> dict[int, Known]:
+        """A new step: its order, keys and summaries start empty; returns the step before's
+        summaries (``carry`` them to the parameters captured after the update)."""
+        known = getattr(self, "_summaries", {})
+        self.order = 0
+        self._seen_keys: set[str] = set()
+        self._summaries: dict[int, Known] = {}  # id -> (ref, identity, row, key, sample)
+        self._carried: dict[int, Known] = {}  # the step before's, for its parameters
+        return known
+
+    def carry(self, known: dict[int, Known]) -> None:
+        """Summaries of the step before that a parameter unchanged since may reuse ({}: none)."""
+        self._carried = known
+
+    def wants(self, phase: str) -> bool:
+        """Whether ``phase`` of the step being traced is captured."""
+        return self.selection.phase(phase, self.step)
+
+    def quiet(self) -> Any:
+        """The tracer's own copies must not show up in the view/in-place audit."""
+        return self.audit.paused() if self.audit is not None else contextlib.nullcontext()
 
     @staticmethod
     def _identity(t: torch.Tensor) -> tuple | None:
@@ -74,10 +125,13 @@ class Capturing:
         except TypeError:  # not weak-referenceable: never reused
             pass
 
-    def _capture(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
+    def __call__(self, module: str, phase: str, call: int, slot: str, t: torch.Tensor, *,
                  extra: dict[str, Any] | None = None, copy: bool = True,
                  dev_meta: dict[str, torch.Tensor] | None = None,
-                 summary: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 summary: Summary | None = None) -> None:
+        """Capture ``t`` as the entry (step, phase, module, call, slot): copied or summarised
+        now, moved to the host at the next ``flush``. ``copy=False``: ``t`` is the tracer's
+        own already. ``summary``: its (stats row, sample), taken earlier."""
         # Runs ~10^2-10^3 times a step: the cost of this function is stats mode's overhead on a
         # small model, hence plain tuples, cached names and no context managers on its fast path.
         if type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local"):
@@ -88,22 +142,22 @@ class Capturing:
             extra = dict(extra or {}, shard=True)
         if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): dense
             t = t.to_dense()
-        skey = fmt.key_string(self.step_index, phase, module, call, slot)
+        skey = key_string(self.step, phase, module, call, slot)
         if skey in self._seen_keys:
             return  # the same tensor reached twice (e.g. an output hook fired twice)
         entry: dict[str, Any] = {
-            "key": skey, "module": module, "phase": phase, "step": self.step_index,
-            "call": call, "slot": slot, "order": self._order, "shape": list(t.shape),
+            "key": skey, "module": module, "phase": phase, "step": self.step,
+            "call": call, "slot": slot, "order": self.order, "shape": list(t.shape),
             "dtype": dtypes.name_of(t.dtype), "stats": {},
         }
         if extra:
             entry["meta"] = dict(extra)
-        self._order += 1
+        self.order += 1
         data = t.detach()  # no autograd history: what follows records no graph
         # A local replay's sample holds the positions of the entry it replays: the same key.
         # A parameter or buffer after the update, those of the same tensor before it: the
         # sample difference is then the step's own update (compare's optimizer floor).
-        sk = fmt.sample_key(self.step_index, phase, module, call, slot)
+        sk = sample_key(self.step, phase, module, call, slot)
         if sk != skey:
             entry["sample_key"] = sk
             if phase == "optimizer":
@@ -111,21 +165,21 @@ class Capturing:
         if summary is not None:  # (stats row, sample) taken earlier: only the sample is held
             data = summary[1] if summary[1] is not None else data  # (row, None): ``t`` is a copy
         elif self.audit is None:
-            summary, data = self._take(data, t, module, phase, sk, copy)
+            summary, data = self.take(data, t, module, phase, sk, copy)
         else:
             with self.audit.paused():  # the tracer's own ops stay out of the view audit
-                summary, data = self._take(data, t, module, phase, sk, copy)
-        self._pending.append(_Pending(entry, data, dev_meta, summary))
-        self._pending_bytes += data.numel() * data.element_size()
+                summary, data = self.take(data, t, module, phase, sk, copy)
+        self.pending.append(Pending(entry, data, dev_meta, summary))
+        self.pending_bytes += data.numel() * data.element_size()
         self._seen_keys.add(skey)
-        if self.transfer == "per-capture" or self._pending_bytes > self.max_pending_bytes \
-                or (self._pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"):
+        if self.transfer == "per-capture" or self.pending_bytes > self.max_pending_bytes \
+                or (self.pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"):
             self.flush()
 
-    def _take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
-              copy: bool) -> tuple[tuple | None, torch.Tensor]:
+    def take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
+              copy: bool) -> tuple[Summary | None, torch.Tensor]:
         """(summary or None, what the pending capture holds) for detached ``data`` of ``t``."""
-        keep = phase == "loss" or self._full(module)  # the whole tensor goes to the trace
+        keep = phase == "loss" or self.selection.full(module)  # the whole tensor goes to the trace
         if not keep and tstats.HostSummaries.eligible(data):
             got = self._host.take(data, skey)
             if got is not None:
@@ -166,11 +220,12 @@ class Capturing:
 
     def flush(self) -> None:
         """Move pending captures to the host in one batched transfer and hand them to the writer."""
-        if not self._pending:
+        if not self.pending:
             return
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        with torch.no_grad(), self._quiet():
-            fulls = [self._full(p.entry["module"]) or p.entry["phase"] == "loss" for p in pending]
+        pending, self.pending, self.pending_bytes = self.pending, [], 0
+        with torch.no_grad(), self.quiet():
+            fulls = [self.selection.full(p.entry["module"]) or p.entry["phase"] == "loss"
+                     for p in pending]
             # Stats of all captures and the samples of the non-full ones, a few kernels per dtype,
             # except those summarised in their hook (rows on the host or on the device).
             todo = [i for i, p in enumerate(pending) if p.summary is None]
@@ -253,7 +308,7 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, idxs in by_dtype.items():
+    for idxs in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idxs]).cpu()
         offset = 0
         for i in idxs:

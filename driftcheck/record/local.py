@@ -70,7 +70,7 @@ class LocalReplay:
         stand, so the replay draws what the real call drew (stochastic depth, random masks)."""
         if self.dropout is not None:
             self._mask_mark[(name, call)] = (self.dropout.index, len(self.dropout.masks))
-        self._rng_mark[(name, call)] = _rng_state(device)
+        self._rng_mark[(name, call)] = rng_state(device)
 
     def replay(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
                kwargs: dict, *, backward: bool,
@@ -174,8 +174,8 @@ class LocalReplay:
             drop_state = (self.dropout.index, len(self.dropout.masks))
             self.dropout.index = mark[0]  # the real call's first mask index
         try:
-            with _fork_rng(dev):
-                _set_rng_state(rng)
+            with fork_rng(dev):
+                set_rng_state(rng)
                 yield
         finally:
             module._buffers.update(originals)
@@ -188,7 +188,7 @@ class LocalReplay:
         self.reader.close()
 
 
-def _fork_rng(dev: torch.device) -> Any:
+def fork_rng(dev: torch.device) -> Any:
     if dev.type == "cpu":
         return torch.random.fork_rng(devices=[])
     try:
@@ -197,7 +197,7 @@ def _fork_rng(dev: torch.device) -> Any:
         return torch.random.fork_rng(devices=[])
 
 
-def _rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
+def rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
     """The CPU generator's state, and the device's where it has one (no copy on the device)."""
     dev_state = None
     if device is not None and device.type != "cpu":
@@ -209,7 +209,7 @@ def _rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
     return torch.random.get_rng_state(), dev_state
 
 
-def _set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:
+def set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:
     if state is None:
         return
     torch.random.set_rng_state(state[0])

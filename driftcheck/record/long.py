@@ -24,11 +24,10 @@ from torch import nn
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
-from driftcheck.record.loop import _autocast, _user_code, cast_batch
+from driftcheck.record.loop import autocast_context, cast_batch, user_code
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.points import load_state
 from driftcheck.record.rng import DropoutControl
-from driftcheck.record.runner import parse_dtype
 from driftcheck.scenario import Scenario, call_model
 from driftcheck.store import format as fmt
 from driftcheck.store.long import write_long, write_point
@@ -72,7 +71,7 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / fmt.INCOMPLETE).write_text("long record in progress or interrupted\n")
-    device, tdtype = torch.device(device), parse_dtype(dtype)
+    device, tdtype = torch.device(device), dtypes.parse_cli(dtype)
     model = scenario.model
     if scenario.loss is None or scenario.optimizer is None:
         raise DriftcheckError(f"a long record trains: model {model_id or scenario.name} needs a loss "
@@ -139,19 +138,19 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
             dropout.set_step(step)
             batch = cast_batch(distinct[step % cycle], device, tdtype)
             try:
-                with dropout, _autocast(device, autocast):
-                    with _user_code(name, "the forward", step):
+                with dropout, autocast_context(device, autocast):
+                    with user_code(name, "the forward", step):
                         output = call_model(model, batch)
-                    with _user_code(name, "loss(output, batch)", step):
+                    with user_code(name, "loss(output, batch)", step):
                         loss = scenario.loss(output, batch)
             finally:
                 for h in handles:
                     h.remove()
-            with _user_code(name, "the backward", step):
+            with user_code(name, "the backward", step):
                 loss.backward()
             grads = [p.grad for p in params if p.grad is not None]
             before = [p.detach().clone() for p in params]
-            with _user_code(name, "the optimizer step", step):
+            with user_code(name, "the optimizer step", step):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             with torch.no_grad():

@@ -42,11 +42,11 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
         if step_hook is not None:
             step_hook(step)  # a fault scheduled to begin at some step (tests, bench/long_runs.py)
         batch = cast_batch(raw, device, dtype)
-        with dropout, _autocast(device, autocast):
-            with _user_code(name, "the forward", step), \
+        with dropout, autocast_context(device, autocast):
+            with user_code(name, "the forward", step), \
                     tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
                 output = call_model(model, batch)
-            with _user_code(name, "loss(output, batch)", step), \
+            with user_code(name, "loss(output, batch)", step), \
                     tracer.logit_watch("loss") if tracer is not None else contextlib.nullcontext():
                 loss = scenario.loss(output, batch) if scenario.loss else None
         if loss is not None:
@@ -59,10 +59,10 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
                                       "or drop the loss for an inference-only record")
             if tracer is not None:
                 tracer.record_loss(loss)
-            with _user_code(name, "the backward", step):
+            with user_code(name, "the backward", step):
                 loss.backward()
             if optimizer is not None:
-                with _user_code(name, "the optimizer step", step):
+                with user_code(name, "the optimizer step", step):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             else:
@@ -80,7 +80,7 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
 
 
 @contextlib.contextmanager
-def _user_code(name: str, what: str, step: int) -> Any:
+def user_code(name: str, what: str, step: int) -> Any:
     """Turn an exception raised by the user's model code into one clear line (exit 2); the
     original stays chained for --debug. Our own errors and Ctrl-C pass through untouched."""
     try:
@@ -96,7 +96,7 @@ def _user_code(name: str, what: str, step: int) -> Any:
                               "(fix the model code; --debug shows the traceback)") from e
 
 
-def _autocast(device: torch.device, autocast: str | None):
+def autocast_context(device: torch.device, autocast: str | None):
     if not autocast:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtypes.parse_cli(autocast))

@@ -111,12 +111,12 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     common = sides.capture_args()
     ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
     ref_env, tgt_env = env_args(sides.reference_env), env_args(sides.target_env)
-    _record([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
+    record_side([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
              sides.reference_dtype] + common + sides.compile_args(sides.reference_compile) + ref_env,
             "reference", debug, say, progress,
             env=sides.reference_env)
     if sides.truth:
-        _record([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
+        record_side([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
                  "--replay", str(ref_dir), "--no-local"] + common + ref_env, "truth (float64)", debug,
                 say, progress, env=sides.reference_env)
     tgt_args = [sides.model, "--out", str(tgt_dir), "--device", sides.target, "--dtype",
@@ -128,7 +128,7 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
             tgt_args += [flag, val]
     tgt_args += ["--local", str(ref_dir)] if sides.local else ["--no-local"]
     tgt_args += sides.compile_args(sides.compile)
-    _record(tgt_args + tgt_env, "target + local replay" if sides.local else "target", debug, say,
+    record_side(tgt_args + tgt_env, "target + local replay" if sides.local else "target", debug, say,
             progress, env=sides.target_env)
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
 
@@ -179,7 +179,7 @@ def env_args(env: dict[str, str]) -> list[str]:
     return [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
 
 
-def _record(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None,
+def record_side(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None,
             progress: Any = None, env: dict[str, str] | None = None) -> None:
     """Record in a fresh process: backends and precision settings cannot leak between runs. Its
     steps come back as progress lines on its stderr; the rest of stderr is its message."""

@@ -13,10 +13,9 @@ import contextlib
 import difflib
 import fnmatch
 import os
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,97 +23,97 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks, taps
+from driftcheck.record.config import RecordConfig
+from driftcheck.record.inputs import Inputs, new_inputs, replayed_inputs
 from driftcheck.record.loop import train
 from driftcheck.record.metadata import run_metadata
-from driftcheck.record.points import load_point_optimizer, load_state as _load_replay_state, segment
+from driftcheck.record.points import load_point_optimizer
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.scenario import Scenario
 from driftcheck.store.layout import rank_dir
-from driftcheck.store.replay import (
-    decode_batch,
-    encode_batch,
-    input_prefix,
-    read_replay,
-    replay_meta as make_replay_meta,
-    state_key,
-)
 from driftcheck.store.writer import TraceWriter
 
-parse_dtype = dtypes.parse_cli
+
+class Ranks(NamedTuple):
+    """This process's place in a torchrun group (all None in a single process)."""
+
+    rank: int | None = None
+    world: int | None = None
+    backend: str | None = None
+
 
 # -- record ---------------------------------------------------------------------------------------
-def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device | str = "cpu",
-           dtype: str = "fp32", steps: int | None = None, seed: int = 0,
-           replay: str | os.PathLike | None = None, mode: str = "full", force: bool = False,
-           model_id: str | None = None, include: Iterable[str] | None = None,
-           exclude: Iterable[str] | None = None, full_modules: Iterable[str] | None = None,
-           phases: Iterable[str] | None = None, capture_steps: Iterable[int] | None = None,
-           transfer: str = "batched", autocast: str | None = None, fp8: str | None = None,
-           emulate: str | None = None,
-           local: str | os.PathLike | None = None, view_audit: bool = False,
-           simulate: str | None = None, on_step: Callable[[int, int], None] | None = None,
-           target_hooks: Callable[[nn.Module], Any] | None = None,
-           parallel: str | None = None, start: int | None = None,
-           env: dict[str, str] | None = None, compile: dict[str, Any] | None = None) -> Path:
-    """Record ``scenario`` into the trace directory ``out``; returns its path.
+def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
+           **options: Any) -> Path:
+    """Record ``scenario`` as ``config`` says (record/config.py ``RecordConfig``); returns the
+    trace directory's path.
 
-    Args:
-        scenario: what to run (CPU, float32, as built).
-        out: the trace directory to create (``force`` to overwrite).
-        device: where to run. dtype: "fp32", "bf16", "fp16" or "fp64".
-        steps: training steps (default: the scenario's). seed: CPU RNG seed (dropout masks).
-        replay: a reference trace whose initial weights and inputs this run starts from.
-        mode, include, exclude, full_modules, phases, capture_steps, transfer: see Tracer.
-        autocast: "bf16"/"fp16" to run the forward under torch.autocast.
-        emulate: a TPU matmul precision level ("default", "high", "highest"): every matmul and
-            convolution, forward and backward, computed as torch_tpu does (driftcheck/emulate.py).
-        fp8: "e4m3", "e5m2" or "hybrid": Linear matmuls through emulated fp8.
-        local: a full-mode reference trace (the one replayed): every leaf module is also rerun
-            on that reference's inputs of the same call, and its output (and input gradients,
-            from the reference's output gradients) recorded as ``local.*`` entries, so compare
-            can tell the error a module adds from the error it inherits (driftcheck/local.py).
-        target_hooks: called with the model after it is placed, before recording (fault
-            injection in tests and benchmarks); if what it returns has ``set_step``, that is
-            called with each step's number (a fault scheduled to begin at some step).
-        parallel: "ddp" or "fsdp" under torchrun: this rank into ``out/rank-<rank>``, replaying
-            the reference's ``rank-<rank>``; returns that directory.
-        start: with ``replay`` a long reference (driftcheck/record/long.py): start at this step
-            from its replay point (weights and optimizer state) and run ``steps`` steps from
-            there, numbered from ``start`` (``capture_steps`` are those numbers): the first bad
-            step of a long run, recorded in full.
-        env: the environment variables this side was given (``--env``): recorded as ``run.env``,
-            so every later rerun of this side (the drill-down) runs under them.
-        compile: ``torch.compile`` settings (record/compilation.py ``settings``): the loop calls
-            the compiled model, captured by graph taps (record/taps.py); a scenario whose model
-            is compiled already is traced the same way.
+    ``record(scenario, RecordConfig(out, dtype="bf16", replay=ref))``, or the same as keyword
+    arguments: ``record(scenario, out, dtype="bf16", replay=ref)``. The scenario runs on CPU in
+    float32 as built; the config moves it (device, dtype), replays a reference's initial weights
+    and inputs (replay), varies the target (autocast, fp8, emulate, simulate, compile) and
+    chooses what is captured. With ``parallel`` (under torchrun) this rank goes into
+    ``out/rank-<rank>``, and that directory is returned.
     """
-    device = torch.device(device)
-    tdtype = parse_dtype(dtype)
-    if compile and (parallel or local is not None or fp8 or simulate or view_audit or emulate):
-        raise DriftcheckError("--compile records a plain compiled run: drop --parallel, --local, "
-                              "--fp8, --simulate, --emulate and --view-audit (they run the model "
-                              "eagerly or under a dispatch mode Dynamo does not trace)")
-    rank = world = backend = None
-    if parallel:
-        if fp8 or local is not None or simulate or view_audit or emulate:
-            raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
-                                  "--simulate, --emulate and --view-audit, or record a single process")
-        rank, world, backend = ranks.init_from_env(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        out = rank_dir(out, rank)
-        if replay is not None:
-            src = rank_dir(replay, rank)
-            if not src.is_dir():
-                raise DriftcheckError(f"--replay {replay} has no {src.name}: the reference ran with "
-                                      f"fewer ranks than this run's {world}; use the same --nproc_per_node")
-            replay = src
-    n_steps = int(steps if steps is not None else scenario.steps)
+    if not isinstance(config, RecordConfig):
+        config = RecordConfig(config, **options)
+    elif options:
+        raise TypeError("record() takes a RecordConfig or its fields as keywords, not both")
+    device = torch.device(config.device)
+    tdtype = dtypes.parse_cli(config.dtype)
+    _refuse_combinations(config)
+    ranks_ = Ranks()
+    if config.parallel:
+        config, device, ranks_ = _join_ranks(config, device)
+    n_steps = int(config.steps if config.steps is not None else scenario.steps)
     if n_steps < 1:
         raise DriftcheckError(f"--steps must be at least 1, got {n_steps}")
     user_compiled = scenario.model if taps.compiled(scenario.model) else None
     model = taps.unwrap(scenario.model)  # its paths without torch.compile's "_orig_mod."
+    _check_model(model, scenario, config.model_id)
+    torch.manual_seed(config.seed)
+    if config.replay is not None:
+        inputs = replayed_inputs(model, config, n_steps, ranks_.world)
+    else:
+        inputs = new_inputs(model, scenario, config, n_steps, ranks_.rank, ranks_.world)
+    first_step = config.start or 0
+    _check_selection(model, config.include, config.exclude, config.full_modules, config.mode,
+                     config.capture_steps, len(inputs.batches), first_step)
+    return _run(scenario, config.replace(seed=inputs.seed), model, user_compiled, inputs,
+                device, tdtype, ranks_)
+
+
+def _refuse_combinations(config: RecordConfig) -> None:
+    c = config
+    if c.compile and (c.parallel or c.local is not None or c.fp8 or c.simulate or c.view_audit
+                      or c.emulate):
+        raise DriftcheckError("--compile records a plain compiled run: drop --parallel, --local, "
+                              "--fp8, --simulate, --emulate and --view-audit (they run the model "
+                              "eagerly or under a dispatch mode Dynamo does not trace)")
+    if c.parallel and (c.fp8 or c.local is not None or c.simulate or c.view_audit or c.emulate):
+        raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
+                              "--simulate, --emulate and --view-audit, or record a single process")
+
+
+def _join_ranks(config: RecordConfig, device: torch.device
+                ) -> tuple[RecordConfig, torch.device, Ranks]:
+    """Under torchrun: this rank's device, its trace directory and the reference's."""
+    rank, world, backend = ranks.init_from_env(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    replay = config.replay
+    if replay is not None:
+        src = rank_dir(replay, rank)
+        if not src.is_dir():
+            raise DriftcheckError(f"--replay {replay} has no {src.name}: the reference ran with "
+                                  f"fewer ranks than this run's {world}; use the same --nproc_per_node")
+        replay = src
+    return config.replace(out=rank_dir(config.out, rank), replay=replay), device, \
+        Ranks(rank, world, backend)
+
+
+def _check_model(model: nn.Module, scenario: Scenario, model_id: str | None) -> None:
     if not any(True for _ in model.parameters()) and not any(True for _ in model.buffers()):
         if scenario.loss is not None:
             raise DriftcheckError(f"model {model_id or scenario.name} has no parameters: nothing to "
@@ -123,158 +122,101 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         raise DriftcheckError(f"model {model_id or scenario.name} has no trainable parameters (none "
                               "requires grad): unfreeze some, or drop the loss for an "
                               "inference-only record")
-    torch.manual_seed(seed)
 
-    replay_tensors: dict[str, torch.Tensor] = {}
-    if replay is not None:
-        tensors, meta = read_replay(replay)
-        if meta.get("inputs_are") == "calls":
-            raise DriftcheckError(f"--replay {replay} was recorded by a training-loop callback "
-                                  f"({meta.get('driver') or 'driftcheck.integrations'}): replay it "
-                                  "with the same callback's replay=, not driftcheck record")
-        if parallel and meta.get("world_size", world) != world:
-            raise DriftcheckError(f"--replay {Path(replay).parent} was recorded with "
-                                  f"{meta.get('world_size')} ranks, this run has {world}; use the "
-                                  "same --nproc_per_node")
-        _load_replay_state(model, tensors, replay)
-        inputs = meta.get("inputs", [])
-        if not isinstance(inputs, list):
-            raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
-                                  "re-record the reference")
-        all_batches = [decode_batch(d, tensors) for d in inputs]
-        if meta.get("cycle") or start:  # a long reference: from its replay point at `start`
-            all_batches = segment(model, replay, meta, all_batches, start or 0, steps, n_steps)
-        if steps is None:
-            n_steps = len(all_batches)  # a replayed target runs the reference's steps
-        batches = all_batches[:n_steps]
-        if len(batches) < n_steps:
-            raise DriftcheckError(f"--replay {replay} holds {len(batches)} step(s) of inputs but "
-                                  f"{n_steps} were asked for; use --steps {len(batches)} or "
-                                  "re-record the reference with more steps")
-        replay_id = meta.get("replay_id")
-        if not isinstance(meta.get("seed", seed), int) or isinstance(meta.get("seed"), bool):
-            raise DriftcheckError(f"--replay {replay}: the replay file's seed is not an integer; "
-                                  "re-record the reference")
-        seed = int(meta.get("seed", seed))
-        torch.manual_seed(seed)
-    else:
-        if start:
-            raise DriftcheckError("--start needs --replay of a long reference (driftcheck record --long)")
-        batches = [scenario.batch(i) for i in range(n_steps)]
-        replay_id = uuid.uuid4().hex
-        if parallel:
-            batches = [ranks.shard_batch(b, rank, world) for b in batches]
-            replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
-        descs = [encode_batch(b, input_prefix(i), replay_tensors) for i, b in enumerate(batches)]
-        for name, t in model.state_dict(keep_vars=True).items():
-            if isinstance(t, torch.Tensor):
-                kind = "param" if isinstance(t, nn.Parameter) else "buffer"
-                replay_tensors[state_key(kind, name)] = t.detach()
-        replay_meta = make_replay_meta(replay_id=replay_id, seed=seed, steps=n_steps, inputs=descs,
-                                       model=model_id)
-        if parallel:
-            replay_meta.update(rank=rank, world_size=world)
 
-    first_step = start or 0
-    _check_selection(model, include, exclude, full_modules, mode, capture_steps, n_steps, first_step)
+class _Model(NamedTuple):
+    """The model as the loop trains it: placed, cast, wrapped; its optimizer and extras."""
+
+    trained: nn.Module  # what the loop calls (DDP/FSDP, torch.compile)
+    compiled: bool
+    optimizer: torch.optim.Optimizer | None
+    fp8: Any  # the fp8 handle, or None
+    hook: Any  # what target_hooks returned
+    capturable: Any  # compilation.prepare_optimizer's
+
+
+def _prepare(model: nn.Module, scenario: Scenario, config: RecordConfig, user_compiled: Any,
+             device: torch.device, tdtype: torch.dtype) -> _Model:
     model.to(device=device)
     if tdtype != torch.float32:
         # Floating tensors only: Module.to(dtype) would also cast complex tensors to real,
         # silently dropping their imaginary part; integer/bool/complex state keeps its dtype.
         model._apply(lambda t: t.to(tdtype) if t.is_floating_point() else t)
     fp8_handle = None
-    if fp8:
+    if config.fp8:
         from driftcheck.targets import fp8 as fp8_mod
 
-        fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(fp8))
-    hook = target_hooks(model) if target_hooks is not None else None
-    trained = ranks.wrap(model, parallel, device) if parallel else model  # what the loop calls
-    if compile:
-        trained = compilation.wrap(trained, compile)
-    elif user_compiled is not None and not parallel:
+        fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(config.fp8))
+    hook = config.target_hooks(model) if config.target_hooks is not None else None
+    trained = ranks.wrap(model, config.parallel, device) if config.parallel else model
+    compile_ = dict(config.compile) if config.compile else None
+    if compile_:
+        trained = compilation.wrap(trained, compile_)
+    elif user_compiled is not None and not config.parallel:
         trained = compilation.inline_hooks(user_compiled)
     compiled = taps.compiled(trained) or taps.compiled(model)
     optimizer = scenario.optimizer(model.parameters()) if scenario.optimizer and scenario.loss else None
-    if start and optimizer is not None:
-        load_point_optimizer(optimizer, replay, start)
-    capturable = compilation.prepare_optimizer(optimizer, compile)
-    sel_phases = set(phases or ("forward", "backward", "grads", "optimizer"))
+    if config.start and optimizer is not None:
+        assert config.replay is not None
+        load_point_optimizer(optimizer, config.replay, config.start)
+    capturable = compilation.prepare_optimizer(optimizer, compile_)
+    return _Model(trained, compiled, optimizer, fp8_handle, hook, capturable)
+
+
+def _phases(config: RecordConfig, scenario: Scenario, optimizer: Any) -> set[str]:
+    """The phases captured: those asked for, less those the scenario has not."""
+    phases = set(config.phases or ("forward", "backward", "grads", "optimizer"))
     if scenario.loss is None:
-        sel_phases &= {"forward"}
+        phases &= {"forward"}
     elif optimizer is None:
-        sel_phases -= {"optimizer"}
+        phases -= {"optimizer"}
+    return phases
 
-    dropout = DropoutControl(seed)
-    local_replay = _open_local(local, replay, replay_id, fp8, dropout) if local is not None else None
-    with TraceWriter(out, force=force) as writer:
-        if replay is None:
-            writer.write_replay(replay_tensors, replay_meta)
-        tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, include=include,
-                        exclude=exclude, full_modules=full_modules, phases=sel_phases,
-                        steps=capture_steps, transfer=transfer, seed=seed,
-                        view_audit=view_audit, local=local_replay, compiled=compiled)
-        tracer.step_index = first_step
+
+def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compiled: Any,
+         inputs: Inputs, device: torch.device, tdtype: torch.dtype, ranks_: Ranks) -> Path:
+    """Train the record's steps under the tracer and write the trace."""
+    m = _prepare(model, scenario, config, user_compiled, device, tdtype)
+    phases = _phases(config, scenario, m.optimizer)
+    dropout = DropoutControl(config.seed)
+    local_replay = _open_local(config.local, config.replay, inputs.replay_id, config.fp8, dropout) \
+        if config.local is not None else None
+    with TraceWriter(config.out, force=config.force) as writer:
+        if inputs.meta is not None:
+            writer.write_replay(inputs.tensors, inputs.meta)
+        tracer = Tracer(model, writer, config.capture(phases=phases), optimizer=m.optimizer,
+                        local=local_replay, compiled=m.compiled)
+        tracer.step_index = config.start or 0
         tracer.attach()
-        account = compilation.Account().start() if compiled else None
-        audit_ctx: Any = contextlib.nullcontext()
-        if view_audit:
-            from driftcheck.audit.views import ViewAudit
-
-            tracer.audit = audit_ctx = ViewAudit(lambda: tracer.current_module,
-                                                 lambda: tracer.step_index)
-        fault_ctx: Any = contextlib.nullcontext()
-        if simulate:
-            from driftcheck.targets.simulate import backend
-
-            fault_ctx = backend(simulate)
-        emulate_ctx: Any = contextlib.nullcontext()
-        if emulate:
-            from driftcheck.targets.emulate import emulate_tpu
-
-            emulate_ctx = emulate_tpu(emulate)
+        account = compilation.Account().start() if m.compiled else None
+        contexts = _Contexts(config, tracer)
         try:
             # the fault outside the audit, so the audit sees what the faulty backend does
-            with fault_ctx, emulate_ctx as emulation, audit_ctx:
-                train(trained, batches, scenario, optimizer, device=device, dtype=tdtype,
-                      dropout=dropout, autocast=autocast, tracer=tracer, fp8_handle=fp8_handle,
-                      on_step=on_step, model_id=model_id, first_step=first_step,
-                      step_hook=getattr(hook, "set_step", None))
+            with contexts.fault, contexts.emulate as emulation, contexts.audit:
+                train(m.trained, inputs.batches, scenario, m.optimizer, device=device,
+                      dtype=tdtype, dropout=dropout, autocast=config.autocast, tracer=tracer,
+                      fp8_handle=m.fp8, on_step=config.on_step, model_id=config.model_id,
+                      first_step=config.start or 0, step_hook=getattr(m.hook, "set_step", None))
             if tracer.audit is not None:
                 tracer.events = tracer.audit.events()
         finally:
-            tracer._active = False
             tracer.detach()
             if account is not None:
                 account.stop()
-            if fp8_handle is not None:
-                fp8_handle.remove()
+            if m.fp8 is not None:
+                m.fp8.remove()
             if local_replay is not None:
                 local_replay.close()
-        run = run_metadata(model=model, device=device, mode=mode, steps=n_steps,
-                           dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
-                           seed=seed, model_id=model_id or scenario.name, scenario=scenario.name,
-                           replay_id=replay_id, replay_of=str(replay) if replay else None,
-                           simulated_backend=simulate, start_step=start or None,
-                           env=dict(env or {}),
-                           autocast=autocast, fp8=fp8,
-                           local_of=str(local) if local is not None else None,
-                           capture={"include": list(include or []), "exclude": list(exclude or []),
-                                    "phases": sorted(sel_phases), "transfer": transfer},
-                           **({"rank": rank, "world_size": world, "parallel": parallel,
-                               "backend": backend} if parallel else {}),
-                           **({"simulated_changes": fault_ctx.changes} if simulate else {}))
-        if emulate:
-            run["emulation"] = {"backend": "tpu", "matmul_precision": emulate,
-                                "ops": dict(sorted(emulation.calls.items()))}
-            run.setdefault("precision", {})["emulation"] = {"backend": "tpu", "matmul_precision": emulate}
+        run = _run_metadata(scenario, config, model, inputs, device, tdtype, ranks_, phases,
+                            contexts, emulation)
         if not writer.entries:
             raise DriftcheckError(
-                f"the record captured no tensor ({n_steps} step(s) ran): --phases, --include, "
-                "--exclude and --capture-steps together select nothing; widen them")
+                f"the record captured no tensor ({len(inputs.batches)} step(s) ran): --phases, "
+                "--include, --exclude and --capture-steps together select nothing; widen them")
         if account is not None:
             counts, found = account.result()
-            run["compile"] = dict(compile or {"backend": "user", "mode": None, "dynamic": None},
-                                  **counts, **({"capturable": capturable[0]} if capturable else {}))
+            run["compile"] = dict(config.compile or {"backend": "user", "mode": None, "dynamic": None},
+                                  **counts, **({"capturable": m.capturable[0]} if m.capturable else {}))
             tracer.findings.extend(found)
         extra = tracer.manifest_extra()
         if tracer.fp8_stats:
@@ -282,7 +224,54 @@ def record(scenario: Scenario, out: str | os.PathLike, *, device: torch.device |
         if tracer.events:
             extra["view_events"] = tracer.events
         writer.close(run, extra=extra)
-    return Path(out)
+    return Path(config.out)
+
+
+class _Contexts:
+    """What the loop runs under besides the tracer: a simulated faulty backend, the TPU
+    emulation, the view audit (each a no-op where not asked for)."""
+
+    def __init__(self, config: RecordConfig, tracer: Tracer) -> None:
+        self.audit: Any = contextlib.nullcontext()
+        if config.view_audit:
+            from driftcheck.audit.views import ViewAudit
+
+            tracer.audit = self.audit = ViewAudit(lambda: tracer.current_module,
+                                                  lambda: tracer.step_index)
+        self.fault: Any = contextlib.nullcontext()
+        if config.simulate:
+            from driftcheck.targets.simulate import backend
+
+            self.fault = backend(config.simulate)
+        self.emulate: Any = contextlib.nullcontext()
+        if config.emulate:
+            from driftcheck.targets.emulate import emulate_tpu
+
+            self.emulate = emulate_tpu(config.emulate)
+
+
+def _run_metadata(scenario: Scenario, config: RecordConfig, model: nn.Module, inputs: Inputs,
+                  device: torch.device, tdtype: torch.dtype, ranks_: Ranks, phases: set[str],
+                  contexts: _Contexts, emulation: Any) -> dict[str, Any]:
+    c = config
+    run = run_metadata(model=model, device=device, mode=c.mode, steps=len(inputs.batches),
+                       dtype=str(tdtype).replace("torch.", ""), dtype_obj=tdtype,
+                       seed=c.seed, model_id=c.model_id or scenario.name, scenario=scenario.name,
+                       replay_id=inputs.replay_id, replay_of=str(c.replay) if c.replay else None,
+                       simulated_backend=c.simulate, start_step=c.start or None,
+                       env=dict(c.env or {}),
+                       autocast=c.autocast, fp8=c.fp8,
+                       local_of=str(c.local) if c.local is not None else None,
+                       capture={"include": list(c.include), "exclude": list(c.exclude),
+                                "phases": sorted(phases), "transfer": c.transfer},
+                       **({"rank": ranks_.rank, "world_size": ranks_.world, "parallel": c.parallel,
+                           "backend": ranks_.backend} if c.parallel else {}),
+                       **({"simulated_changes": contexts.fault.changes} if c.simulate else {}))
+    if c.emulate:
+        run["emulation"] = {"backend": "tpu", "matmul_precision": c.emulate,
+                            "ops": dict(sorted(emulation.calls.items()))}
+        run.setdefault("precision", {})["emulation"] = {"backend": "tpu", "matmul_precision": c.emulate}
+    return run
 
 
 def default_local(replay: str | os.PathLike | None, *, mode: str, parallel: str | None,

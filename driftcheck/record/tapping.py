@@ -4,62 +4,153 @@ replaced by a forward tap for the trace."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
-from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.record import compilation, taps
+from driftcheck.record.calls import CallKey, Calls
+from driftcheck.record.capture import Capture
 from driftcheck.record.taps import positional, uninstall, unregister
+
+Pairs = list[tuple[str, torch.Tensor]]
+Alias = tuple[str, int, str, Any]  # (module, call, slot, meta) of an enclosing call's gradient
+
+
+class TapGradients:
+    """The gradients of calls inside a compiled graph: each tapped call's backward meta, the
+    outputs a forward tap hooked, and the enclosing calls that share one of their gradients."""
+
+    def __init__(self, capture: Capture, calls: Calls, selected: Callable[[str], bool]) -> None:
+        self.capture = capture
+        self.calls = calls
+        self.selected = selected
+        self.reset()
+
+    def reset(self) -> None:
+        self.contexts: dict[CallKey, dict[str, Any]] = {}  # a tapped call's backward meta
+        self.tapped_out: dict[CallKey, set[str]] = {}  # the output slots a forward_tap hooked
+        self.tapped_tensors: dict[tuple, tuple[str, int, str, weakref.ref]] = {}  # and tensors
+        # (module, call, slot) -> the enclosing calls' output gradients that are that gradient
+        self.aliases: dict[tuple[str, int, str], list[Alias]] = {}
+
+    def claim(self, name: str, call: int, bctx: dict[str, Any]) -> set[str]:
+        """The output slots of call (name, call) that a forward_tap hooked in the graph (their
+        gradients come from there, with ``bctx``); empty where none."""
+        tapped = self.tapped_out.pop((name, call), set())
+        if tapped:  # hooked in the graph by the module's forward_tap (record/taps.py)
+            self.contexts[(name, call)] = bctx
+        return tapped
+
+    def hooked(self, key: CallKey, slots: list[str], tensors: list[torch.Tensor]) -> None:
+        """A forward_tap of call ``key`` hooked these outputs."""
+        self.tapped_out[key] = set(slots)
+        for slot, t in zip(slots, tensors):  # an enclosing call that returns it as it is: alias
+            self.tapped_tensors[taps.where(t)] = (key[0], key[1], "grad_" + slot, weakref.ref(t))
+
+    def alias(self, name: str, call: int, slot: str, t: torch.Tensor, ctx: Any) -> bool:
+        """Whether the gradient of ``t``, an output of this call made by a compiled region, comes
+        from a ``forward_tap`` of a call inside it that returned the same tensor (a model's
+        logits, its classifier's output, where the model's own forward ran eagerly): the hook in
+        that graph sees its whole gradient, and hands it to this call too."""
+        made = self.tapped_tensors.get(taps.where(t))
+        node = type(t.grad_fn).__name__ if t.grad_fn is not None else None
+        if made is None or made[3]() is None or node != "CompiledFunctionBackward":
+            return False  # not the very values the tap saw (freed since, or a view of them)
+        self.aliases.setdefault(made[:3], []).append((name, call, slot, ctx))
+        return True
+
+    def on_grad(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
+        """A grad_tap's gradient, for the call and the enclosing calls that share it."""
+        if call < 0 or self.calls.paused or not self.calls.active or not self.capture.wants("backward"):
+            return
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if self.selected(name):
+                self.capture(name, "backward", call, slot, grad.detach(),
+                             extra=self.contexts.get((name, call)))
+            for owner, ocall, oslot, ctx in self.aliases.pop((name, call, slot), ()):
+                self.capture(owner, "backward", ocall, oslot, grad.detach(), extra=ctx)
+
+
+Enter = Callable[..., int]  # ForwardHooks.enter / leave: (name, module, args, kwargs, pairs, compiled)
 
 
 class GraphTaps:
-    """What the taps hand over, taken by :class:`driftcheck.record.tracer.Tracer` (its state
-    lives there): a tapped call goes through the same ``_enter``/``_leave`` as an eager hook's,
-    without grad mode (its gradients come from ``grad_tap``), the local replay or an autograd
-    walk."""
+    """What the taps hand over (registered with record/taps.py as ``tap_id``): a tapped call
+    goes through the same ``enter``/``leave`` as an eager hook's, without grad mode (its
+    gradients come from ``grad_tap``), the local replay or an autograd walk.
 
-    _regrouped: frozenset[str] | set[str] = frozenset()  # modules named by REGROUPED taps
+    Args:
+        names: module -> its path. calls, selection: the calls open and what is captured.
+        tap_grads: where the gradient taps go. findings: the run's, for the regrouped sums.
+        enter / leave: the forward hooks' (ForwardHooks.enter / leave).
+        spanning: whether a call was opened by an eager pre-hook (BackwardHooks.spanning).
+    """
 
-    def _on_tap(self, name: str, where: str, slots: list[str], tensors: list[torch.Tensor]) -> int:
-        if self._replaying or self._paused or not self._active:
+    def __init__(self, names: dict[nn.Module, str], calls: Calls, selected: Callable[[str], bool],
+                 tap_grads: TapGradients, findings: list[dict[str, Any]], *,
+                 enter: Enter, leave: Enter, spanning: Callable[[CallKey], bool],
+                 root_output_grads: bool) -> None:
+        self.names = names
+        self.by_name = {name: module for module, name in names.items()}
+        self.calls = calls
+        self.selected = selected
+        self.tap_grads = tap_grads
+        self.findings = findings
+        self.enter, self.leave, self.spanning = enter, leave, spanning
+        self.root_output_grads = root_output_grads
+        self.regrouped: set[str] = set()  # modules named by REGROUPED taps
+        self.tap_id: int | None = None
+
+    def register(self) -> int:
+        """A number for the graph code to name this by (``taps.register``)."""
+        self.tap_id = taps.register(self)
+        return self.tap_id
+
+    def on_tap(self, name: str, where: str, slots: list[str], tensors: list[torch.Tensor]) -> int:
+        """The body of a ``driftcheck::tap``: a call's number, or -1 where none is taken."""
+        if self.calls.replaying or self.calls.paused or not self.calls.active:
             return -1
         if where == taps.REGROUPED:  # not a call: the modules whose input view regroups a sum
-            self._regrouped = self._regrouped | set(name.split(taps.SEP))
+            self.regrouped |= set(name.split(taps.SEP))
             return -1
         pairs = list(zip(slots, tensors))
-        module = self._by_name[name]
+        module = self.by_name[name]
         if where == "out":  # a forward_tap's outputs: of the call open on top of the stack
-            top = self._stack[-1] if self._stack else None
-            if top is None or top[0] != name or top not in self._span_start \
-                    or not self._selected(name):
-                # Not a call an eager pre-hook opened (with its autograd span: _enter): its
+            top = self.calls.top
+            if top is None or top[0] != name or not self.spanning(top) or not self.selected(name):
+                # Not a call an eager pre-hook opened (with its autograd span: enter): its
                 # post-hook is traced and hooks the outputs itself. Or the graph ran this tap
                 # past a tap of a call inside (inductor may move ordered ops): none is taken.
                 return -1
-            self._tapped_out[top] = set(slots)
-            for slot, t in pairs:  # an enclosing call that returns it as it is: _alias_grad
-                self._tapped_tensors[taps.where(t)] = (name, top[1], "grad_" + slot, weakref.ref(t))
+            self.tap_grads.hooked(top, slots, tensors)
             return top[1]
         with torch.no_grad(), torch._C.DisableTorchFunction():
             if where == "pre":
-                return self._enter(name, module, positional(pairs), {}, pairs, compiled=True)
+                return self.enter(name, module, positional(pairs), {}, pairs, compiled=True)
             inputs = [(s, t) for s, t in pairs if s.startswith("input")]
             outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
-            return self._leave(name, module, positional(inputs), {}, outputs, compiled=True)
+            return self.leave(name, module, positional(inputs), {}, outputs, compiled=True)
 
-    def _tap_forwards(self) -> None:
-        """A ``forward_tap`` in place of each module's forward, for the trace (``_untap``)."""
+    def on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
+        """The body of a ``driftcheck::grad_tap``."""
+        self.tap_grads.on_grad(name, call, slot, grad)
+
+    def tap_forwards(self) -> None:
+        """A ``forward_tap`` in place of each module's forward, for the trace (``untap``)."""
+        assert self.tap_id is not None
         for module, name in self.names.items():
-            fn = taps.forward_tap(self._tap_id, name, self.root_output_grads, module)
+            fn = taps.forward_tap(self.tap_id, name, self.root_output_grads, module)
             if fn is not None:
-                module.forward = fn
+                module.forward = fn  # type: ignore[method-assign]  # restored by untap
 
-    def _untap(self) -> None:
-        """The tracer's number unregistered, each module's own forward back; the regrouped
-        gradient sums the graphs reported, as a finding."""
-        if self._regrouped:
-            names = sorted(self._regrouped)
+    def untap(self) -> None:
+        """The number unregistered, each module's own forward back; the regrouped gradient sums
+        the graphs reported, as a finding."""
+        if self.regrouped:
+            names = sorted(self.regrouped)
             self.findings.append(compilation.finding(
                 "compile.regrouped_gradients", "warning",
                 f"{len(names)} module(s) take two or more of a tensor's gradients through their "
@@ -67,52 +158,9 @@ class GraphTaps:
                 f"{', '.join(names[:3])}): the tap adds theirs first, so gradients upstream may "
                 "differ from the untraced compiled run's in their last bits (floating-point "
                 "addition regrouped; docs/compile.md)", {"modules": names}, module=names[0]))
-            self._regrouped = frozenset()
-        unregister(self._tap_id)
-        self._tap_id = None
+            self.regrouped = set()
+        if self.tap_id is not None:
+            unregister(self.tap_id)
+        self.tap_id = None
         for module in self.names:
             uninstall(module)
-
-    def _on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:
-        if call < 0 or self._paused or not self._active or not self._capturing("backward"):
-            return
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            if self._selected(name):
-                self._capture(name, "backward", call, slot, grad.detach(),
-                              extra=self._tap_ctx.get((name, call)))
-            for owner, ocall, oslot, ctx in self._grad_aliases.pop((name, call, slot), ()):
-                self._capture(owner, "backward", ocall, oslot, grad.detach(), extra=ctx)
-
-    def _alias_grad(self, name: str, call: int, slot: str, t: torch.Tensor, ctx: Any) -> bool:
-        """Whether the gradient of ``t``, an output of this call made by a compiled region, comes
-        from a ``forward_tap`` of a call inside it that returned the same tensor (a model's
-        logits, its classifier's output, where the model's own forward ran eagerly): the hook in
-        that graph sees its whole gradient, and hands it to this call too."""
-        made = self._tapped_tensors.get(taps.where(t))
-        node = type(t.grad_fn).__name__ if t.grad_fn is not None else None
-        if made is None or made[3]() is None or node != "CompiledFunctionBackward":
-            return False  # not the very values the tap saw (freed since, or a view of them)
-        self._grad_aliases.setdefault(made[:3], []).append((name, call, slot, ctx))
-        return True
-
-    def _audit_deferred(self) -> None:
-        """The BatchNorm audit of calls inside a compiled graph: their buffers are written back
-        after the graph, so each call is audited against the buffers at the end of the step
-        (exact for a norm called once a step, as nearly all are; later calls are skipped)."""
-        for name, call, x in self._bn_deferred:
-            if call != 0 or self._calls.get(name, 0) != 1:
-                continue
-            module = self._by_name[name]
-            before = self._bn_step_start.get(name)
-            if before is None:
-                continue
-            with self._quiet():
-                found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
-                                            module.training, self.step_index, call)
-            self.findings.extend(f.to_dict() for f in found)
-        self._bn_deferred.clear()
-        self._snapshot_norms()
-
-    def _snapshot_norms(self) -> None:
-        self._bn_step_start = {name: bn_audit.snapshot(m) for name, m in self._by_name.items()
-                               if self.audits and bn_audit.is_tracked_norm(m)}

@@ -50,7 +50,7 @@ def tap(tensors: list[torch.Tensor], tracer: int, module: str, where: str, slots
     """A module call's tensors, handed to the tracer when the compiled graph runs; returns the
     call's number (0-d int64) for its gradient taps."""
     owner = _owner(tracer)
-    call = -1 if owner is None else owner._on_tap(module, where, slots.split(SEP), tensors)
+    call = -1 if owner is None else owner.on_tap(module, where, slots.split(SEP), tensors)
     return torch.tensor(call, dtype=torch.int64)
 
 
@@ -58,7 +58,7 @@ def grad_tap(grad: torch.Tensor, call: torch.Tensor, tracer: int, module: str, s
     """One gradient of a module call, handed to the tracer when the backward graph runs."""
     owner = _owner(tracer)
     if owner is not None:
-        owner._on_grad_tap(module, int(call), slot, grad)
+        owner.on_grad_tap(module, int(call), slot, grad)
 
 
 _LIB.impl("tap", tap, "CompositeExplicitAutograd")
@@ -82,7 +82,8 @@ for _op in (torch.ops.driftcheck.tap.default, torch.ops.driftcheck.grad_tap.defa
 
 
 def register(tracer: Any) -> int:
-    """A number for ``tracer`` that graph code can carry as a constant."""
+    """A number for ``tracer`` (what takes the taps: record/tapping.py ``GraphTaps``) that
+    graph code can carry as a constant."""
     tid = next(_IDS)
     _TRACERS[tid] = weakref.ref(tracer)
     return tid
@@ -225,11 +226,11 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
     Dynamo runs a module's hooks eagerly around its ``forward`` where it compiles the forward
     as a frame of its own (``module.compile()``; a module called from a frame Dynamo skipped),
     and an eager hook on an output sees only the gradient from outside the compiled code, not
-    the share of a use inside it. Called in place of ``forward`` (``GraphTaps._tap_forwards``), this is
+    the share of a use inside it. Called in place of ``forward`` (``GraphTaps.tap_forwards``), this is
     that frame: its output hooks are traced into the graph and get the whole gradient, as where
     Dynamo inlines the module's hooks. Each module gets a code object of its own, so the frames
     of two modules are two compiles, not recompilations of one code. Its output tap numbers
-    the call the module's pre-hook opened (``GraphTaps._on_tap``), eager or traced alike."""
+    the call the module's pre-hook opened (``GraphTaps.on_tap``), eager or traced alike."""
     forward = module.forward
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     if code is None:

@@ -7,15 +7,15 @@ Computed on the tensors' device with no host sync; compare reads them from each 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.meta import kink_profile_of
 
 # Softmax amplifies the rounding of its logits: a logit x carries u|x| of error, and exp turns
@@ -245,51 +245,79 @@ def own_work(fn: Callable) -> Callable:
 LOSS_CODE = ("", -1)  # the (module, call) key of what the loss code computes, outside any module
 
 
-class Watching:
-    """What the watch hands the :class:`driftcheck.record.tracer.Tracer` (its state lives there):
-    each value keyed by the module call running when the module's own code computed it."""
+class WatchLog:
+    """What the watch saw, per module call: each value keyed by the call running when the
+    module's own code computed it (``LOSS_CODE`` outside any module), until the call's
+    post-hook takes it (``take``). Nothing is kept while ``calls`` is inactive or replaying."""
 
-    def logit_watch(self, code: str = "forward") -> Any:
-        """A torch function mode to run the forward under: the largest softmax logit of each
-        module call goes into its output's meta (``logit_absmax``, a floor input). Not around a
-        compiled forward (``code`` "forward", or "loop": a user's loop calling a compiled model):
-        Dynamo would trace the mode into the graph."""
-        if self.compiled and code in ("forward", "loop"):
-            return contextlib.nullcontext()
-        return LogitWatch(self._on_logits, self._on_ctc, self._on_decision, self._on_rounding,
-                          self._on_host)
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+        self.reset()
 
-    def _on_ctc(self, frames: int) -> None:
-        if self._replaying or not self._stack or not self._active:
+    def reset(self) -> None:
+        # (module, call) -> |logit| max, CTC frames, margin counts of its decisions and
+        # roundings, float tensors taken to the host
+        self.logits: dict[CallKey, torch.Tensor] = {}
+        self.ctc: dict[CallKey, int] = {}
+        self.decisions: dict[CallKey, torch.Tensor] = {}
+        self.roundings: dict[CallKey, torch.Tensor] = {}
+        self.host_decisions: dict[CallKey, int] = {}
+
+    def watch(self) -> LogitWatch:
+        """A torch function mode that hands what it sees to this log."""
+        return LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
+                          self.on_host)
+
+    def _taking(self) -> bool:
+        return self.calls.active and not self.calls.replaying
+
+    def on_ctc(self, frames: int) -> None:
+        key = self.calls.top
+        if key is None or not self._taking():
             return
-        key = self._stack[-1]
-        self._ctc[key] = max(self._ctc.get(key, 0), frames)
+        self.ctc[key] = max(self.ctc.get(key, 0), frames)
 
-    def _on_decision(self, profile: torch.Tensor) -> None:
-        if self._replaying or not self._active:
+    def on_decision(self, profile: torch.Tensor) -> None:
+        if not self._taking():
             return
-        key = self._stack[-1] if self._stack else LOSS_CODE
-        prev = self._decisions.get(key)
-        self._decisions[key] = profile if prev is None else prev + profile
+        key = self.calls.top or LOSS_CODE
+        prev = self.decisions.get(key)
+        self.decisions[key] = profile if prev is None else prev + profile
 
-    def _on_rounding(self, profile: torch.Tensor) -> None:
-        if self._replaying or not self._active or not self._stack:
+    def on_rounding(self, profile: torch.Tensor) -> None:
+        key = self.calls.top
+        if key is None or not self._taking():
             return  # the loss code's rounding: nothing of the model's it feeds
-        key = self._stack[-1]
-        prev = self._roundings.get(key)
-        self._roundings[key] = profile if prev is None else prev + profile
+        prev = self.roundings.get(key)
+        self.roundings[key] = profile if prev is None else prev + profile
 
-    def _on_host(self) -> None:
+    def on_host(self) -> None:
         """The current code took float values to the host (the loss code's: LOSS_CODE)."""
-        if self._replaying or not self._active:
+        if not self._taking():
             return
-        key = self._stack[-1] if self._stack else LOSS_CODE
-        self._host_decisions[key] = self._host_decisions.get(key, 0) + 1
+        key = self.calls.top or LOSS_CODE
+        self.host_decisions[key] = self.host_decisions.get(key, 0) + 1
 
-    def _on_logits(self, absmax: torch.Tensor) -> None:
-        if self._replaying or not self._active:
+    def on_logits(self, absmax: torch.Tensor) -> None:
+        if not self._taking():
             return
         # outside any module: the loss code (its softmax makes the model's output gradients)
-        key = self._stack[-1] if self._stack else LOSS_CODE
-        prev = self._logits.get(key)
-        self._logits[key] = absmax if prev is None else torch.maximum(prev, absmax)
+        key = self.calls.top or LOSS_CODE
+        prev = self.logits.get(key)
+        self.logits[key] = absmax if prev is None else torch.maximum(prev, absmax)
+
+    def take(self, key: CallKey) -> Watched:
+        """What the code of call ``key`` computed, removed from the log."""
+        return Watched(self.logits.pop(key, None), self.decisions.pop(key, None),
+                       self.roundings.pop(key, None), self.host_decisions.pop(key, None),
+                       self.ctc.pop(key, None))
+
+
+class Watched(NamedTuple):
+    """What one call's own code computed, as the watch saw it."""
+
+    logit_absmax: torch.Tensor | None  # the largest softmax logit that carries weight
+    decisions: torch.Tensor | None  # margin counts of the indices it computed
+    roundings: torch.Tensor | None  # margin counts of what it rounded to a grid
+    host_decisions: int | None  # float tensors it took to the host
+    ctc_frames: int | None  # the frames of a CTC loss it computed

@@ -150,7 +150,7 @@ def test_nested_structures_and_none_are_flattened():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_traced_equals_untraced_bitwise(name, dtype, tmp_path):
     """Same scenario, same seed: loss, outputs and updated parameters are bitwise equal."""
-    from driftcheck.record.runner import parse_dtype
+    from driftcheck.numerics.dtypes import parse_cli as parse_dtype
     from driftcheck.store import TraceWriter
 
     results, states = [], []

@@ -1,0 +1,76 @@
+"""The BatchNorm running-stat audit as the tracer runs it (audit/batchnorm.py judges a call):
+eager calls audited at their post-hook, calls inside a compiled graph at the end of the step
+(their buffers are written back after the graph)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from driftcheck.audit import batchnorm as bn_audit
+from driftcheck.record.calls import CallKey
+from driftcheck.record.capture import Capture
+
+
+class NormAudit:
+    """Each tracked norm's buffers before its call, audited against them after.
+
+    Args:
+        enabled: the audit runs (else every method does nothing).
+        capture: for the step being traced and the view audit's pause.
+        findings: where the audit's findings go (the run's).
+    """
+
+    def __init__(self, enabled: bool, capture: Capture, findings: list[dict[str, Any]]) -> None:
+        self.enabled = enabled
+        self.capture = capture
+        self.findings = findings
+        self.step_start: dict[str, Any] = {}  # a tracked norm's buffers at the step's start
+        self.reset()
+
+    def reset(self) -> None:
+        self._before: dict[CallKey, tuple[Any, torch.Tensor]] = {}
+        self.deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
+
+    def enter(self, name: str, call: int, module: nn.Module, x: torch.Tensor, compiled: bool) -> None:
+        """A call of ``module`` begins on input ``x``: its buffers and input kept."""
+        if not (self.enabled and bn_audit.is_tracked_norm(module)):
+            return
+        with self.capture.quiet():
+            if compiled:  # buffers are written back after the graph: audited at step end
+                self.deferred.append((name, call, x.detach().clone()))
+            else:
+                self._before[(name, call)] = (bn_audit.snapshot(module), x.detach().clone())
+
+    def leave(self, name: str, call: int, module: nn.Module) -> None:
+        """The call ends: its buffers audited against those kept at its start."""
+        if (name, call) not in self._before:
+            return
+        before, x = self._before.pop((name, call))
+        self._audit(name, call, module, x, before)
+
+    def _audit(self, name: str, call: int, module: nn.Module, x: torch.Tensor, before: Any) -> None:
+        with self.capture.quiet():
+            found = bn_audit.audit_call(name, module, x, before, bn_audit.snapshot(module),
+                                        module.training, self.capture.step, call)
+        self.findings.extend(f.to_dict() for f in found)
+
+    def audit_deferred(self, by_name: dict[str, nn.Module], counts: dict[str, int]) -> None:
+        """The audit of calls inside a compiled graph: each call is audited against the buffers
+        at the end of the step (exact for a norm called once a step, as nearly all are; later
+        calls are skipped). ``counts``: the step's calls of each module."""
+        for name, call, x in self.deferred:
+            if call != 0 or counts.get(name, 0) != 1:
+                continue
+            before = self.step_start.get(name)
+            if before is None:
+                continue
+            self._audit(name, call, by_name[name], x, before)
+        self.deferred.clear()
+        self.snapshot(by_name)
+
+    def snapshot(self, by_name: dict[str, nn.Module]) -> None:
+        """The tracked norms' buffers now: the start of the next step."""
+        self.step_start = {name: bn_audit.snapshot(m) for name, m in by_name.items()
+                           if self.enabled and bn_audit.is_tracked_norm(m)}

@@ -1,0 +1,97 @@
+"""A record's steps: the scenario's batches and the replay file a reference writes (its initial
+state and inputs), or the batches a target replays from a reference (its initial state loaded
+into the model; a long reference's segment from a replay point)."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.record import ranks
+from driftcheck.record.config import RecordConfig
+from driftcheck.record.points import load_state as _load_replay_state, segment
+from driftcheck.scenario import Scenario
+from driftcheck.store.replay import (
+    decode_batch,
+    encode_batch,
+    input_prefix,
+    read_replay,
+    replay_meta as make_replay_meta,
+    state_key,
+)
+
+
+class Inputs(NamedTuple):
+    """A record's steps: their batches, the replay id and seed, and (a reference) what its
+    replay file holds."""
+
+    batches: list[Any]
+    replay_id: str | None
+    seed: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] | None  # the replay file's metadata to write; None: replayed
+
+
+def replayed_inputs(model: nn.Module, config: RecordConfig, n_steps: int,
+                     world: int | None) -> Inputs:
+    """A target's steps: the reference's initial state loaded into ``model``, its batches."""
+    replay = config.replay
+    assert replay is not None
+    tensors, meta = read_replay(replay)
+    if meta.get("inputs_are") == "calls":
+        raise DriftcheckError(f"--replay {replay} was recorded by a training-loop callback "
+                              f"({meta.get('driver') or 'driftcheck.integrations'}): replay it "
+                              "with the same callback's replay=, not driftcheck record")
+    if config.parallel and meta.get("world_size", world) != world:
+        raise DriftcheckError(f"--replay {Path(replay).parent} was recorded with "
+                              f"{meta.get('world_size')} ranks, this run has {world}; use the "
+                              "same --nproc_per_node")
+    _load_replay_state(model, tensors, replay)
+    inputs = meta.get("inputs", [])
+    if not isinstance(inputs, list):
+        raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
+                              "re-record the reference")
+    all_batches = [decode_batch(d, tensors) for d in inputs]
+    if meta.get("cycle") or config.start:  # a long reference: from its replay point at `start`
+        all_batches = segment(model, replay, meta, all_batches, config.start or 0, config.steps,
+                              n_steps)
+    if config.steps is None:
+        n_steps = len(all_batches)  # a replayed target runs the reference's steps
+    batches = all_batches[:n_steps]
+    if len(batches) < n_steps:
+        raise DriftcheckError(f"--replay {replay} holds {len(batches)} step(s) of inputs but "
+                              f"{n_steps} were asked for; use --steps {len(batches)} or "
+                              "re-record the reference with more steps")
+    if not isinstance(meta.get("seed", config.seed), int) or isinstance(meta.get("seed"), bool):
+        raise DriftcheckError(f"--replay {replay}: the replay file's seed is not an integer; "
+                              "re-record the reference")
+    seed = int(meta.get("seed", config.seed))
+    torch.manual_seed(seed)
+    return Inputs(batches, meta.get("replay_id"), seed, {}, None)
+
+
+def new_inputs(model: nn.Module, scenario: Scenario, config: RecordConfig, n_steps: int,
+               rank: int | None = None, world: int | None = None) -> Inputs:
+    """A reference's steps: the scenario's batches, and its replay file (initial state, inputs)."""
+    if config.start:
+        raise DriftcheckError("--start needs --replay of a long reference (driftcheck record --long)")
+    batches = [scenario.batch(i) for i in range(n_steps)]
+    replay_id = uuid.uuid4().hex
+    if config.parallel:
+        batches = [ranks.shard_batch(b, rank, world) for b in batches]
+        replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
+    tensors: dict[str, torch.Tensor] = {}
+    descs = [encode_batch(b, input_prefix(i), tensors) for i, b in enumerate(batches)]
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            kind = "param" if isinstance(t, nn.Parameter) else "buffer"
+            tensors[state_key(kind, name)] = t.detach()
+    meta = make_replay_meta(replay_id=replay_id, seed=config.seed, steps=n_steps, inputs=descs,
+                            model=config.model_id)
+    if config.parallel:
+        meta.update(rank=rank, world_size=world)
+    return Inputs(batches, replay_id, config.seed, tensors, meta)
