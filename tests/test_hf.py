@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from driftcheck import Scenario, hf  # noqa: E402
+from driftcheck import Scenario, hf, nested  # noqa: E402
 from driftcheck.errors import DriftcheckError  # noqa: E402
 from driftcheck.scenario import call_model  # noqa: E402
 
@@ -27,13 +27,13 @@ def _needs(family: str) -> None:
         pytest.importorskip("diffusers")
 
 
-def _leaves(x: Any, path: str = "") -> list[tuple[str, Any]]:
-    """Walk nested tuples/lists/dicts/ModelOutput as the tracer does: (path, leaf) pairs."""
-    if isinstance(x, dict):
-        return [leaf for k, v in x.items() for leaf in _leaves(v, f"{path}.{k}")]
-    if isinstance(x, (tuple, list)):
-        return [leaf for i, v in enumerate(x) for leaf in _leaves(v, f"{path}.{i}")]
-    return [(path, x)]
+def _leaves(x: Any) -> list[tuple[str, Any]]:
+    """(path, leaf) of the tracer's walker, a Cache kept whole (as a leaf) to be seen."""
+    def leaf(path: str, obj: Any, kind: str, children: nested.Children[Any]) -> list[tuple[str, Any]]:
+        if kind in (nested.MAPPING, nested.SEQUENCE):
+            return [pair for _, sub in children() for pair in sub]
+        return [(path, obj)]
+    return nested.fold(x, "", leaf)
 
 
 def _cast(batch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from driftcheck import nested
 from driftcheck.gate.report import Finding
 from driftcheck.numerics import dtypes
 
@@ -97,7 +98,7 @@ class ViewAudit(TorchDispatchMode):
             out = func(*args, **kwargs)
             source = next((a for a in args if _strided(a)), None)
             outs = out if isinstance(out, (list, tuple)) else [out]
-            plain = [_plain(a) for a in (*args, *sorted(kwargs.items()))]
+            plain = [nested.fold(a, "", _plain) for a in (*args, *sorted(kwargs.items()))]
             for i, o in enumerate(outs):
                 if _strided(o):
                     event = self._event(step, module, func, kind, f"return.{i}", o)
@@ -326,8 +327,7 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _layout(t: torch.Tensor) -> dict[str, Any]:
-    return {"sizes": list(t.shape), "strides": list(t.stride()),
-            "storage_offset": int(t.storage_offset())}
+    return {"sizes": list(t.shape), "strides": list(t.stride()), "storage_offset": int(t.storage_offset())}
 
 
 def _layout_of(e: dict[str, Any]) -> dict[str, Any]:
@@ -354,8 +354,7 @@ def _loose(e: dict[str, Any], aliased: bool, with_args: bool) -> tuple | None:
     if e["kind"] != "view" or e.get("aliased") is not aliased:
         return None
     sizes = (e.get("input_layout") or {}).get("sizes")
-    return (e["op"], e["arg"], _frozen(sizes), tuple(e["sizes"]),
-            _frozen(e.get("args")) if with_args else None)
+    return (e["op"], e["arg"], _frozen(sizes), tuple(e["sizes"]), _frozen(e.get("args")) if with_args else None)
 
 
 def _frozen(x: Any) -> Any:
@@ -363,12 +362,12 @@ def _frozen(x: Any) -> Any:
     return tuple(_frozen(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _plain(a: Any) -> Any:
+def _plain(_: str, a: Any, k: str, children: nested.Children[Any]) -> Any:
     """A view op's argument, JSON-ready (tensors by placeholder: their layout is recorded)."""
-    if isinstance(a, torch.Tensor):
+    if k == nested.TENSOR:
         return "<tensor>"
-    if isinstance(a, (list, tuple)):
-        return [_plain(v) for v in a]
+    if k == nested.SEQUENCE:
+        return [v for _, v in children()]
     if a is None or isinstance(a, (bool, int, str)) or (isinstance(a, float) and math.isfinite(a)):
         return a
     return int(a) if isinstance(a, torch.SymInt) else str(a)

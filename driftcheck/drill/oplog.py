@@ -17,12 +17,14 @@ import linecache
 import os
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from driftcheck import nested
 from driftcheck.errors import DriftcheckError
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -77,24 +79,31 @@ class OpRecord:
 def encode_args(args: tuple, kwargs: dict, leaves: list[torch.Tensor]) -> Any:
     """JSON for (args, kwargs); tensors appended to ``leaves`` and written ``{"T": i}``.
     Raises ValueError for an argument that does not survive the trip (a generator, a SymInt)."""
-    def enc(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
+    def enc(_: str, x: Any, k: str, children: nested.Children[Any]) -> Any:
+        if k == nested.TENSOR:
             leaves.append(x)
             return {"T": len(leaves) - 1}
-        if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
-            return x
-        if isinstance(x, float):
-            return {"F": repr(x)}
-        if isinstance(x, (list, tuple)):
-            return {"L": [enc(v) for v in x]}
-        if isinstance(x, torch.dtype):
-            return {"dtype": str(x).removeprefix("torch.")}
-        if isinstance(x, torch.device):
-            return {"device": str(x)}
-        if isinstance(x, (torch.memory_format, torch.layout)):
-            return {"enum": str(x).removeprefix("torch.")}
+        if k == nested.SEQUENCE:
+            return {"L": [v for _, v in children()]}
+        if k == nested.LEAF:
+            return _encode_leaf(x)
         raise ValueError(f"cannot encode {type(x).__name__}")
-    return {"args": [enc(a) for a in args], "kwargs": {k: enc(v) for k, v in kwargs.items()}}
+    return {"args": [nested.fold(a, "", enc) for a in args],
+            "kwargs": {key: nested.fold(v, "", enc) for key, v in kwargs.items()}}
+
+
+def _encode_leaf(x: Any) -> Any:
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, float):
+        return {"F": repr(x)}
+    if isinstance(x, torch.dtype):
+        return {"dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"device": str(x)}
+    if isinstance(x, (torch.memory_format, torch.layout)):
+        return {"enum": str(x).removeprefix("torch.")}
+    raise ValueError(f"cannot encode {type(x).__name__}")
 
 
 def decode_args(spec: Any, leaves: list[torch.Tensor], device: torch.device | str | None = None,
@@ -165,7 +174,7 @@ def call_site() -> dict[str, Any] | None:
     """The model-code line that called the module whose hook is running (for a drilled
     module that is torch's own, such as an ``nn.Linear``, this is where the model uses it)."""
     frames: list[tuple[str, int, str]] = []
-    f = sys._getframe(1)
+    f: types.FrameType | None = sys._getframe(1)
     while f is not None:
         frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back
@@ -180,7 +189,7 @@ def call_site() -> dict[str, Any] | None:
 
 def forward_source() -> dict[str, Any] | None:
     frames: list[tuple[str, int, str]] = []
-    f = sys._getframe(2)
+    f: types.FrameType | None = sys._getframe(2)
     while f is not None and f.f_code.co_name != BOUNDARY:
         frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
         f = f.f_back
@@ -278,7 +287,7 @@ def save(ops: list[OpRecord], path: str | os.PathLike, extra: dict[str, Any] | N
             ts = getattr(rec, kind)
             if ts is None:
                 continue
-            names = []
+            names: list[str | None] = []
             for j, t in enumerate(ts):
                 if t is None:
                     names.append(None)

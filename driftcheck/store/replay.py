@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from driftcheck import nested
 from driftcheck.errors import DriftcheckError, TraceError
 from driftcheck.store import format as fmt
 from driftcheck.store.shard import MappedShard, shares_storage, unshare, write_error, write_safetensors
@@ -101,20 +102,24 @@ def read_replay(trace_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
 
 
 def encode_batch(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """A JSON description of a batch; its tensors go into ``tensors`` under ``prefix``."""
-    if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach()
-        return {"t": "tensor", "name": prefix}
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
+    """A JSON description of a batch; its tensors go into ``tensors`` under ``prefix`` (their
+    keys are ``nested``'s paths: ``input/3.0``, ``input/3.x.1``)."""
+    return nested.fold(obj, prefix, lambda path, o, k, children: _encode(path, o, k, children, tensors))
+
+
+def _encode(path: str, obj: Any, k: str, children: nested.Children[Any], tensors: dict[str, torch.Tensor]) -> Any:
+    if k == nested.TENSOR:
+        tensors[path] = obj.detach()
+        return {"t": "tensor", "name": path}
+    if k == nested.MAPPING and isinstance(obj, dict):
+        if not all(isinstance(key, str) for key in obj):
             raise DriftcheckError("Scenario inputs: dict keys must be strings (keyword arguments)")
-        return {"t": "dict", "items": {k: encode_batch(v, f"{prefix}.{k}", tensors) for k, v in obj.items()}}
-    if isinstance(obj, (tuple, list)):
-        return {"t": type(obj).__name__,
-                "items": [encode_batch(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+        return {"t": "dict", "items": dict(children())}
+    if k == nested.SEQUENCE:
+        return {"t": type(obj).__name__, "items": [v for _, v in children()]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return {"t": "value", "v": obj}
-    raise DriftcheckError(f"Scenario inputs contain a {type(obj).__name__} at {prefix}; inputs may "
+    raise DriftcheckError(f"Scenario inputs contain a {type(obj).__name__} at {path}; inputs may "
                           "hold tensors, tuples, lists, dicts, numbers, strings and None")
 
 
