@@ -4,6 +4,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from driftcheck.store.keys import Slot, TraceKey, is_local_slot, slot_kind
+
+
+def slot_is(slot: str, *kinds: str) -> bool:
+    """Whether ``slot`` is an entry's own slot (not a local replay's ``local.*``) of one of
+    ``kinds`` (``input``, ``output``, ``grad_output``, ``grad_input``, ``param``, ...)."""
+    return not is_local_slot(slot) and slot_kind(slot) in kinds
+
+
+def forward_slot(slot: str) -> str:
+    """The forward tensor's slot a gradient slot is the gradient of: ``grad_input.0`` ->
+    ``input.0``, ``grad_output`` -> ``output``."""
+    s = Slot.parse(slot)
+    return str(dataclasses.replace(s, kind=s.kind.removeprefix("grad_")))
+
+
+def gradient_slot(slot: str) -> str:
+    """The gradient slot of a forward slot: ``input.0`` -> ``grad_input.0``."""
+    s = Slot.parse(slot)
+    return str(dataclasses.replace(s, kind="grad_" + s.kind))
+
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class TraceEntry:
@@ -23,7 +44,7 @@ class TraceEntry:
     dtype: str
     stats: dict[str, Any]
     meta: dict[str, Any]  # {} when the manifest has none
-    align: tuple[int, str, str, int, str]  # (step, phase, module, call, slot): what runs match on
+    align: TraceKey  # (step, phase, module, call, slot): what runs match on
     raw: dict[str, Any]
 
     @property
@@ -31,11 +52,14 @@ class TraceEntry:
         """Whether the full tensor is stored (full mode), not only statistics and a sample."""
         return "tensor" in self.raw
 
+    def slot_is(self, *kinds: str) -> bool:
+        """Whether the slot is of one of ``kinds`` (a local replay's ``local.*`` is of none)."""
+        return slot_is(self.slot, *kinds)
+
     @classmethod
     def of(cls, e: dict[str, Any]) -> TraceEntry:
         return cls(e["key"], e["module"], e["phase"], e["step"], e["call"], e["slot"], e["order"],
-                   e["shape"], e["dtype"], e["stats"], e.get("meta") or {},
-                   (e["step"], e["phase"], e["module"], e["call"], e["slot"]), e)
+                   e["shape"], e["dtype"], e["stats"], e.get("meta") or {}, TraceKey.of(e), e)
 
 
 def entries_of(reader: Any) -> list[TraceEntry]:

@@ -1,22 +1,54 @@
 """Findings: what compare reports besides drift (alignment, the traces' own findings, fp8
-casts, NaN/Inf origin, precision settings, view events); methods of the Comparison.
+casts, NaN/Inf origin, precision settings, view events), and the log they are kept in.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from driftcheck.compare.entries import TraceEntry, gradient_slot
+from driftcheck.compare.index import Call
+from driftcheck.compare.propagation import Propagated
+from driftcheck.compare.roundoff import autocast_roundoff
 from driftcheck.gate.report import NONFINITE, Entry, Finding
 from driftcheck.numerics import dtypes
+from driftcheck.store.keys import TraceKey, is_local_slot
+from driftcheck.store.reader import TraceReader
+from driftcheck.targets.settings_diff import diff_settings
+
+EntryMap = dict[TraceKey, TraceEntry]
+
+
+class FindingLog:
+    """The comparison's findings in the order they were made (the report's order)."""
+
+    def __init__(self) -> None:
+        self.items: list[Finding] = []
+
+    def add(self, finding: Finding) -> Finding:
+        self.items.append(finding)
+        return finding
+
+    def extend(self, findings: Iterable[Finding]) -> None:
+        self.items.extend(findings)
+
+    def has(self, kind: str, module: str) -> bool:
+        """Whether a finding of ``kind`` on ``module`` was made already."""
+        return any(f.kind == kind and f.module == module for f in self.items)
 
 
 class Findings:
-    """The findings half of :class:`driftcheck.compare.Comparison`."""
+    """What the two traces show besides drift, added to ``log`` (the judge adds its own)."""
 
-    def _alignment_findings(self, ref_map: dict, tgt_map: dict) -> None:
-        missing: dict[str, list] = defaultdict(list)
-        extra: dict[str, list] = defaultdict(list)
+    def __init__(self, ref: TraceReader, tgt: TraceReader, log: FindingLog) -> None:
+        self.ref, self.tgt, self.log = ref, tgt, log
+
+    def alignment(self, ref_map: EntryMap, tgt_map: EntryMap) -> None:
+        """Entries one run holds and the other does not (a compiled run's capture gaps are
+        warnings; the gradients of inputs a module returns are taken out of ``tgt_map``)."""
+        missing: dict[str, list[TraceEntry]] = defaultdict(list)
+        extra: dict[str, list[TraceEntry]] = defaultdict(list)
         for k, e in ref_map.items():
             if k not in tgt_map:
                 missing[e.module].append(e)
@@ -24,11 +56,12 @@ class Findings:
             if k not in ref_map:
                 extra[e.module].append(e)
         compiled = bool(self.ref.run.get("compile") or self.tgt.run.get("compile"))
-        calls = [{(e.step, e.module, e.call) for e in m.values() if e.phase == "forward"}
+        calls = [{Call(e.step, e.module, e.call) for e in m.values() if e.phase == "forward"}
                  for m in (ref_map, tgt_map)]
         # Entries one side of a compiled comparison holds and the other cannot: warnings, not
         # judged. (kind, which entries, why)
-        rules = (("compile.input_gap", lambda es, other: _inputs_of(es, other),
+        rules: tuple[tuple[str, Callable[[list[TraceEntry], set[Call]], bool], str], ...] = (
+                 ("compile.input_gap", lambda es, other: _inputs_of(es, other),
                   "input(s) of calls both runs made exist only on the {held}: compiled code may "
                   "pass a tensor where eager code passes None (Hugging Face models build their "
                   "attention mask while Dynamo traces); not judged, the call's outputs are"),
@@ -37,53 +70,53 @@ class Findings:
                   "capture did not get them (a gradient computed inside a compiled graph that no "
                   "hook sees, docs/compile.md); not judged"))
         if compiled:
-            self._returned_inputs(ref_map, tgt_map)
+            self.returned_inputs(ref_map, tgt_map)
         for kind, applies, why in rules if compiled else ():
             for side, gaps, other in (("target", missing, calls[1]), ("reference", extra, calls[0])):
                 held = "reference" if side == "target" else "target"
                 for mod in [m for m, es in gaps.items() if applies(es, other)]:
                     es = gaps.pop(mod)
-                    self.findings.append(Finding(
+                    self.log.add(Finding(
                         kind, mod, es[0].step, f"{len(es)} " + why.format(held=held)
                         + f" (e.g. {es[0].key})", phase=es[0].phase, key=es[0].key,
                         severity="warning", details={"count": len(es), "keys": [x.key for x in es[:10]],
                                                      "missing_on": side}))
         for mod, es in missing.items():
-            self.findings.append(Finding(
+            self.log.add(Finding(
                 "alignment.missing_in_target", mod, es[0].step,
                 f"{len(es)} tensor(s) recorded on the reference are missing on the target "
                 f"(e.g. {es[0].key}): the target skipped or renamed this module, or the two "
                 "runs captured different phases/steps", phase=es[0].phase, key=es[0].key,
                 details={"count": len(es), "keys": [x.key for x in es[:10]]}))
         for mod, es in extra.items():
-            self.findings.append(Finding(
+            self.log.add(Finding(
                 "alignment.extra_in_target", mod, es[0].step,
                 f"{len(es)} tensor(s) exist only on the target (e.g. {es[0].key}): the target "
                 "ran a module or call the reference did not", phase=es[0].phase,
                 key=es[0].key, details={"count": len(es), "keys": [x.key for x in es[:10]]}))
 
-    def _returned_inputs(self, ref_map: dict, tgt_map: dict) -> None:
+    def returned_inputs(self, ref_map: EntryMap, tgt_map: EntryMap) -> None:
         """A compiled comparison does not judge the gradients of an input that its module returns
         unchanged as one of its outputs (torchvision's LastLevelMaxPool appends to the list it is
         given and returns it): eager capture takes the input gradient of the module's own
         operations and the output gradient of the whole tensor, a compiled capture's views split
         them where the tensor is handed in and out. Taken out of the target's map (so nothing
         inherits from them) and reported."""
-        calls: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+        calls: dict[Call, tuple[list[TraceEntry], list[TraceEntry]]] = defaultdict(lambda: ([], []))
         for e in ref_map.values():
             if e.phase == "forward" and e.stats:
-                calls[(e.step, e.module, e.call)][e.slot.startswith("output")].append(e)
-        gone: dict[str, list] = defaultdict(list)
+                calls[Call(e.step, e.module, e.call)][e.slot_is("output")].append(e)
+        gone: dict[str, list[TraceEntry]] = defaultdict(list)
         for (step, module, call), (ins, outs) in calls.items():
             same = [(x, o) for x in ins for o in outs if o.shape == x.shape and o.stats == x.stats]
-            slots = {"grad_" + x.slot for x, _ in same} | {"grad_" + o.slot for _, o in same}
+            slots = {gradient_slot(x.slot) for x, _ in same} | {gradient_slot(o.slot) for _, o in same}
             for slot in sorted(slots):
-                a = (step, "backward", module, call, slot)
+                a = TraceKey(step, "backward", module, call, slot)
                 if a in tgt_map and a in ref_map:
                     del tgt_map[a]
                     gone[module].append(ref_map[a])
         for mod, es in gone.items():
-            self.findings.append(Finding(
+            self.log.add(Finding(
                 "compile.capture_gap", mod, es[0].step,
                 f"{len(es)} gradient(s) of this module not judged: it returns an input unchanged "
                 "as one of its outputs, whose gradients eager capture takes whole and a compiled "
@@ -92,7 +125,9 @@ class Findings:
                 details={"count": len(es), "keys": [x.key for x in es[:10]],
                          "missing_on": "neither: an input returned as an output"}))
 
-    def _trace_findings(self) -> None:
+    def of_traces(self, errors: Mapping[TraceKey, Propagated]) -> None:
+        """The findings each trace recorded (the reference's as warnings), its fp8 casts, and
+        its view events against the other's (within ``errors``' drift)."""
         for side, reader in (("target", self.tgt), ("reference", self.ref)):
             for f in reader.manifest.get("findings", []) or []:
                 if not isinstance(f, dict) or "kind" not in f:
@@ -102,16 +137,16 @@ class Findings:
                     finding.severity = "warning"
                     finding.message = "the reference run itself: " + finding.message
                 finding.details = dict(finding.details or {}, side=side)
-                self.findings.append(finding)
-        self._fp8_findings()
+                self.log.add(finding)
+        self.fp8()
         ref_ev = self.ref.manifest.get("view_events")
         tgt_ev = self.tgt.manifest.get("view_events")
         if ref_ev and tgt_ev:
             from driftcheck.audit import views
 
-            self.findings.extend(views.compare_events(ref_ev, tgt_ev, _view_tolerance(self)))
+            self.log.extend(views.compare_events(ref_ev, tgt_ev, view_tolerance(self.ref.run, self.tgt.run, errors)))
 
-    def _fp8_findings(self) -> None:
+    def fp8(self) -> None:
         """Summarise the target's fp8 casts (amax, scale, flushed and saturated fractions)."""
         casts = [c for c in (self.tgt.manifest.get("fp8") or []) if isinstance(c, dict)]
         if not casts:
@@ -120,7 +155,7 @@ class Findings:
             return max(casts, key=lambda c: c.get(key) or 0.0)
         flushed, saturated = worst("flushed_fraction"), worst("saturated_fraction")
         recipe = (self.tgt.run.get("precision") or {}).get("fp8") or self.tgt.run.get("fp8")
-        self.findings.append(Finding(
+        self.log.add(Finding(
             "precision.fp8_casts", "", None,
             f"{len(casts)} fp8 casts (recipe {recipe}): at most "
             f"{100 * (flushed.get('flushed_fraction') or 0):.2g}% of a tensor flushed to zero "
@@ -130,7 +165,7 @@ class Findings:
             details={"casts": casts[:500]}))
         for c in casts:
             if (c.get("saturated_fraction") or 0) > 0:
-                self.findings.append(Finding(
+                self.log.add(Finding(
                     "precision.fp8_saturation", c.get("module", ""), c.get("step"),
                     f"{c.get('role')} of {c.get('module')} saturated in {c.get('format')}: "
                     f"{100 * c['saturated_fraction']:.3g}% of {c.get('numel')} values clipped at the "
@@ -138,34 +173,33 @@ class Findings:
                     "scaling lags a growing amax: use current scaling or a longer margin",
                     severity="warning", details=dict(c)))
 
-    def _nonfinite_findings(self, entries: list[Entry]) -> None:
+    def nonfinite(self, entries: list[Entry]) -> None:
+        """Where NaN/Inf first appear on the target only; where the reference itself has them."""
         first = next((e for e in entries if e.status == NONFINITE), None)
         if first is not None:
-            self.findings.append(Finding(
+            self.log.add(Finding(
                 "nonfinite.origin", first.module, first.step,
                 f"NaN/Inf first appears on the target at {first.key} "
                 f"({first.metrics.get('nonfinite_new')} element(s)) where the reference is finite: "
                 "look for an overflow (bf16/fp16 range, fp8 saturation) or a bad kernel here",
                 phase=first.phase, key=first.key))
-        bad_ref = next((e for e in entries if (e.metrics.get("nan_ref") or 0) + (e.metrics.get("inf_ref") or 0) > 0), None)
+        bad_ref = next((e for e in entries
+                        if (e.metrics.get("nan_ref") or 0) + (e.metrics.get("inf_ref") or 0) > 0), None)
         if bad_ref is not None:
-            self.findings.append(Finding(
+            self.log.add(Finding(
                 "nonfinite.reference", bad_ref.module, bad_ref.step,
                 f"the reference itself has NaN/Inf at {bad_ref.key}: drift after it cannot be "
                 "judged; fix the reference run first", phase=bad_ref.phase, key=bad_ref.key,
                 severity="warning"))
 
-    def _precision_findings(self) -> None:
-        try:
-            from driftcheck.targets.settings_diff import diff_settings
-        except ImportError:  # pragma: no cover
-            return
+    def precision(self) -> None:
+        """The precision settings that differ between the runs (they explain drift)."""
         rp, tp = self.ref.run.get("precision") or {}, self.tgt.run.get("precision") or {}
         diffs = [(k, a, b) for k, a, b, explains in diff_settings(rp, tp) if explains]
         if diffs:
             shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diffs[:6])
             more = f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""
-            self.findings.append(Finding(
+            self.log.add(Finding(
                 "precision.settings_differ", "", None,
                 f"{len(diffs)} precision setting(s) differ between the runs: {shown}{more}. "
                 "They explain drift; the noise floor accounts for dtype, TF32, matmul precision "
@@ -176,19 +210,18 @@ class Findings:
 VIEW_TOLERANCE_CAP = 0.5  # a write that lands wrong changes its base by O(1)
 
 
-def _view_tolerance(c: Any) -> Callable[[dict[str, Any], dict[str, Any]], float]:
+def view_tolerance(ref_run: dict[str, Any], tgt_run: dict[str, Any],
+                   errors: Mapping[TraceKey, Propagated]) -> Callable[[dict[str, Any], dict[str, Any]], float]:
     """The accepted relative difference of a base after a write through a view: 8 unit
     roundoffs of the coarser precision either run computed in (its dtype, or its autocast
     dtype), plus the largest relative error this comparison measured at that step: the values
     written are computed upstream and carry its drift (an fp32 target with a defect elsewhere,
     autocast), which is not the view's doing. Capped: a write that lands wrong still shows."""
-    from driftcheck.compare.scale import autocast_roundoff
-
     us = []
-    for run in (c.ref.run, c.tgt.run):
+    for run in (ref_run, tgt_run):
         us += [dtypes.unit_roundoff(str(run.get("dtype") or "float32")), autocast_roundoff(run)]
-    drift: dict[int, float] = {}
-    for (step, phase, *_), err in c.errors.items():
+    drift: dict[int | None, float] = {}  # by step (a view event may have none)
+    for (step, phase, *_), err in errors.items():
         if phase in ("forward", "backward", "loss"):
             drift[step] = max(drift.get(step, 0.0), min(err.rel_rms * err.mu, 1.0))
     base = 8 * max(us)
@@ -198,12 +231,12 @@ def _view_tolerance(c: Any) -> Callable[[dict[str, Any], dict[str, Any]], float]
     return tolerance
 
 
-def _inputs_of(entries: list, calls: set) -> bool:
+def _inputs_of(entries: list[TraceEntry], calls: set[Call]) -> bool:
     """Only forward inputs of module calls that the other run made too."""
-    return all(e.phase == "forward" and e.slot.startswith("input") and (e.step, e.module, e.call)
+    return all(e.phase == "forward" and e.slot_is("input") and Call(e.step, e.module, e.call)
                in calls for e in entries)
 
 
-def _gradients_only(entries: list) -> bool:
+def _gradients_only(entries: list[TraceEntry]) -> bool:
     """Only a module call's output or input gradients (``backward``), none of its own values."""
-    return all(e.phase == "backward" and not e.slot.startswith("local.") for e in entries)
+    return all(e.phase == "backward" and not is_local_slot(e.slot) for e in entries)

@@ -10,9 +10,10 @@ at s is ``BAND x`` the largest control distance up to s (distances grow; a runni
 keeps the band from dipping where the control's happens to). The target is out of the band at s
 when its distance exceeds it. The same is done per module with the relative change of its
 forward output rms (where a defect enters, its module's statistic moves at once; correct runs
-move theirs slowly), and every band is at least the runs' unit roundoff. The first bad step is the first sampled step from which the
-target stays out to the end. A target that leaves the band and comes back passes, with a
-warning: chaotic runs cross. Without a control the band cannot be drawn: the verdict says so.
+move theirs slowly), and every band is at least the runs' unit roundoff. The first bad step is
+the first sampled step from which the target stays out to the end. A target that leaves the
+band and comes back passes, with a warning: chaotic runs cross. Without a control the band
+cannot be drawn: the verdict says so.
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def compare_long(ref: str | LongReader, target: str | LongReader,
     steps_s = [int(s) for s in r.columns["sample_steps"].tolist()]
     d_t = distance(r.columns["param_sample"], t.columns["param_sample"])
     loss = {"reference": r.columns["loss"].tolist(), "target": t.columns["loss"].tolist()}
-    base = dict(steps=r.steps, band=band, sample_steps=steps_s, target_distance=d_t.tolist(),
-                loss=loss, reference=r.run, target=t.run, control=c.run if c else None)
+    base: dict[str, Any] = dict(steps=r.steps, band=band, sample_steps=steps_s, target_distance=d_t.tolist(),
+                                loss=loss, reference=r.run, target=t.run, control=c.run if c else None)
     if c is None:
         return LongReport(verdict="no control", first_bad_step=None, first_bad_module=None,
                           worst_ratio=float("nan"),
@@ -87,7 +88,7 @@ def compare_long(ref: str | LongReader, target: str | LongReader,
     d_c = distance(r.columns["param_sample"], c.columns["param_sample"])
     env = torch.cummax(d_c, 0).values.clamp_min(u)
     first, worst, crossed = judge_band(d_t, env, band)
-    found = [(first, None, "its parameters")] if first is not None else []
+    found: list[tuple[int, str | None, str]] = [(first, None, "its parameters")] if first is not None else []
     if all("buffer_sample" in x.columns for x in (r, t, c)):
         # floating buffers (BatchNorm running statistics) apart: few, they drown among the weights
         b_env = torch.cummax(distance(r.columns["buffer_sample"], c.columns["buffer_sample"]), 0).values

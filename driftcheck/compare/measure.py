@@ -3,20 +3,22 @@
 Full tensors are streamed from the memory-mapped shards (memory bounded by the chunk), on
 ``workers`` threads (the kernels release the GIL), a large pair split into parts measured side
 by side and merged in order. Stats-mode entries are measured on their seeded samples, or
-estimated from their summary statistics (methods of the Comparison).
+estimated from their summary statistics.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.numerics import dtypes, metrics as mx
+from driftcheck.store.keys import TraceKey
 from driftcheck.store.reader import TraceReader
 
 PART_ELEMS = 1 << 22  # elements above which one pair is measured in parts, on several workers
 HISTOGRAM_BINS = 40  # at most, each a whole number of binades of |target - reference|
-
 
 
 class Measured(NamedTuple):
@@ -60,26 +62,53 @@ def saturation(r: TraceEntry, t: TraceEntry) -> float | None:
     return lim if absmax > 0.5 * lim else None
 
 
-class Measuring:
-    """The measurement half of :class:`driftcheck.compare.Comparison`."""
+class Progress:
+    """Pairs measured, then entries judged: told to ``on_progress`` as (done, total)."""
 
-    def _pair_metrics(self, r: TraceEntry, t: TraceEntry) -> Measured:
-        measured = self._measured.pop(r.align, None)
-        return measured if measured is not None else self._measure(r, t)
+    def __init__(self, on_progress: Callable[[int, int], None] | None = None) -> None:
+        self.on_progress = on_progress
+        self.done, self.total = 0, 0
 
-    def _measure(self, r: TraceEntry, t: TraceEntry) -> Measured:
-        return self._measure_between(self.ref, r, self.tgt, t)
+    def start(self, total: int) -> None:
+        self.done, self.total = 0, total
 
-    def _measure_between(self, ref: TraceReader, r: TraceEntry, tgt: TraceReader, t: TraceEntry) -> Measured:
+    def tick(self) -> None:
+        """One more pair measured or entry judged: tell ``on_progress``."""
+        self.done += 1
+        if self.on_progress is not None:
+            self.on_progress(min(self.done, self.total), self.total)
+
+
+Job = tuple[int, tuple[int, int] | None]  # (pair, its flat element range or None: whole)
+
+
+class Measurer:
+    """Measures pairs of entries of two runs: all aligned pairs up front on ``workers`` threads
+    (:meth:`measure_all`), kept until judged (:meth:`pair_metrics`), or one pair on demand."""
+
+    def __init__(self, ref: TraceReader, tgt: TraceReader, *, chunk_elems: int = 1 << 17,
+                 workers: int = 1, progress: Progress | None = None) -> None:
+        self.ref, self.tgt = ref, tgt
+        self.chunk_elems = chunk_elems
+        self.workers = workers
+        self.progress = progress or Progress()
+        self.measured: dict[TraceKey, Measured] = {}  # measured up front, until judged
+
+    def pair_metrics(self, r: TraceEntry, t: TraceEntry) -> Measured:
+        """The metrics of an aligned pair: measured up front, else now."""
+        measured = self.measured.pop(r.align, None)
+        return measured if measured is not None else self.measure(self.ref, r, self.tgt, t)
+
+    def measure(self, ref: TraceReader, r: TraceEntry, tgt: TraceReader, t: TraceEntry) -> Measured:
         """Metrics of ``t`` (in ``tgt``) against ``r`` (in ``ref``): streamed from the full
         tensors, else the stats-mode samples (the same seeded indices on both runs), else
         estimated from the summary statistics; with the error histogram of the elements read
         (None when estimated from statistics), in the same pass."""
-        acc, how = self._accumulate(ref, r, tgt, t)
-        return self._finish(acc, how, r, t)
+        acc, how = self.accumulate(ref, r, tgt, t)
+        return finish(acc, how, r, t)
 
-    def _accumulate(self, ref: TraceReader, r: TraceEntry, tgt: TraceReader, t: TraceEntry,
-                    part: tuple[int, int] | None = None) -> tuple[mx.ErrorAccumulator | None, str]:
+    def accumulate(self, ref: TraceReader, r: TraceEntry, tgt: TraceReader, t: TraceEntry,
+                   part: tuple[int, int] | None = None) -> tuple[mx.ErrorAccumulator | None, str]:
         """Stream the pair (or only its flat elements [lo, hi) when ``part`` is given: full
         tensors only) into an accumulator. (None, "stats") when neither side stored data."""
         rc = ref.chunks(r.raw, self.chunk_elems, part=part)
@@ -100,19 +129,7 @@ class Measuring:
             acc.update(a, b)
         return acc, how
 
-    def _finish(self, acc: mx.ErrorAccumulator | None, how: str, r: TraceEntry, t: TraceEntry) -> Measured:
-        if acc is None:
-            return Measured(stats_metrics(r.stats, t.stats), "stats", None)
-        m = acc.result()
-        if how == "full":
-            m["ref_rms"] = m.get("ref_rms", rms_of(r.stats))
-        else:
-            m["ref_rms"] = rms_of(r.stats)
-            m["ref_absmax"] = r.stats.get("absmax", m.get("ref_absmax"))
-            m["estimated_from"] = "sample"
-        return Measured(m, how, acc.histogram(HISTOGRAM_BINS))
-
-    def _parts(self, r: TraceEntry, t: TraceEntry) -> list[tuple[int, int]] | None:
+    def parts(self, r: TraceEntry, t: TraceEntry) -> list[tuple[int, int]] | None:
         """Flat element ranges of a large pair of full tensors, measured on several workers;
         each a whole number of chunks, so the chunks are those of one stream."""
         n = math.prod(r.shape)
@@ -122,28 +139,28 @@ class Measuring:
         step = max(1, PART_ELEMS // self.chunk_elems) * self.chunk_elems
         return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
-    def _measure_all(self, pairs: list[tuple[TraceEntry, TraceEntry]]) -> None:
+    def measure_all(self, pairs: list[tuple[TraceEntry, TraceEntry]]) -> None:
         """Metrics of every pair on ``workers`` threads (the kernels release the GIL), a large
         pair split into parts measured side by side and merged in order; floors and ratios,
         which depend on earlier entries, are then judged in order."""
-        self._measured = {}
+        self.measured = {}
         todo = [(r, t) for r, t in pairs if list(r.shape) == list(t.shape)
                 and dtypes.measure_kind(r.dtype) == dtypes.measure_kind(t.dtype)]
-        jobs: list[tuple[int, tuple[int, int] | None]] = []
+        jobs: list[Job] = []
         for i, (r, t) in enumerate(todo):
-            jobs += [(i, p) for p in (self._parts(r, t) or [None])]
+            parts = self.parts(r, t)
+            jobs += [(i, p) for p in parts] if parts else [(i, None)]
         if self.workers <= 1 or len(jobs) < 2:
-            return  # measured lazily, one at a time, by _pair_metrics
-        from concurrent.futures import ThreadPoolExecutor
+            return  # measured lazily, one at a time, by pair_metrics
 
-        def run(job: tuple[int, tuple[int, int] | None]) -> tuple[mx.ErrorAccumulator | None, str]:
+        def run(job: Job) -> tuple[mx.ErrorAccumulator | None, str]:
             r, t = todo[job[0]]
-            return self._accumulate(self.ref, r, self.tgt, t, part=job[1])
+            return self.accumulate(self.ref, r, self.tgt, t, part=job[1])
 
-        def finish(i: int, acc: mx.ErrorAccumulator | None, how: str) -> None:
+        def done(i: int, acc: mx.ErrorAccumulator | None, how: str) -> None:
             r, t = todo[i]
-            self._measured[r.align] = self._finish(acc, how, r, t)
-            self.tick()
+            self.measured[r.align] = finish(acc, how, r, t)
+            self.progress.tick()
 
         current: tuple[int, mx.ErrorAccumulator | None, str] | None = None
         with ThreadPoolExecutor(self.workers, thread_name_prefix="driftcheck-compare") as pool:
@@ -155,7 +172,21 @@ class Measuring:
                         current[1].merge(acc)
                     continue
                 if current is not None:
-                    finish(*current)
+                    done(*current)
                 current = (i, acc, how)
         if current is not None:
-            finish(*current)
+            done(*current)
+
+
+def finish(acc: mx.ErrorAccumulator | None, how: str, r: TraceEntry, t: TraceEntry) -> Measured:
+    """The pair's metrics from its accumulator (from the statistics where there is none)."""
+    if acc is None:
+        return Measured(stats_metrics(r.stats, t.stats), "stats", None)
+    m: dict[str, Any] = acc.result()
+    if how == "full":
+        m["ref_rms"] = m.get("ref_rms", rms_of(r.stats))
+    else:
+        m["ref_rms"] = rms_of(r.stats)
+        m["ref_absmax"] = r.stats.get("absmax", m.get("ref_absmax"))
+        m["estimated_from"] = "sample"
+    return Measured(m, how, acc.histogram(HISTOGRAM_BINS))

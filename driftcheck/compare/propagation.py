@@ -1,9 +1,11 @@
-"""Error propagation: what a judged entry passes on to the entries that depend on it."""
+"""Error propagation: what a judged entry passes on to the entries that depend on it, and the
+ledger where it is kept."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from driftcheck.numerics import floor as fl
+from driftcheck.store.keys import TraceKey
 
 
 class Propagated(NamedTuple):
@@ -20,3 +22,13 @@ class Propagated(NamedTuple):
 
 WRONG = Propagated(fl.REL_CAP, fl.REL_CAP, 0.0, 0.0)  # misaligned: fully wrong, no measured size
 NONE = Propagated(0.0, 0.0, 0.0, 0.0)
+
+
+class Ledger:
+    """What the entries judged so far pass on, by align key (entries are judged in execution
+    order, so an entry's dependencies are in it), and the floors optimizer entries were allowed
+    (the next step's parameters are the same tensors)."""
+
+    def __init__(self) -> None:
+        self.errors: dict[TraceKey, Propagated] = {}
+        self.floors: dict[TraceKey, tuple[float, float]] = {}  # optimizer entries: (rms, max) floor

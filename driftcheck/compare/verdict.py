@@ -1,69 +1,39 @@
 """The verdict: pass or fail, the first divergence and who is blamed, the sentence that decided
-it, and the error histograms of the entries a reader looks at first (methods of the Comparison).
+it, and the error histograms of the entries a reader looks at first.
 """
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Report, gate_state
+from driftcheck.compare.entries import slot_is
+from driftcheck.compare.index import DependencyIndex, call_of
+from driftcheck.gate.policy import Policy
+from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding, Report, gate_state
+from driftcheck.numerics import metrics as mx
+from driftcheck.store.keys import TraceKey
 
 HISTOGRAMS = 8  # worst entries that get an error histogram (the HTML report shows up to 6 + 1)
 
 
 class Verdict:
-    """The verdict half of :class:`driftcheck.compare.Comparison`."""
+    """The report's verdict from the judged entries and the findings, under ``policy``."""
 
-    def _verdict(self, entries: list[Entry]) -> Report:
-        failing = [e for e in entries if e.status in (DRIFT, NONFINITE, MISALIGNED)]
+    def __init__(self, policy: Policy, limit_override: float | None, index: DependencyIndex) -> None:
+        self.policy, self.limit_override, self.index = policy, limit_override, index
+
+    def report(self, entries: list[Entry], findings: list[Finding], warnings: list[str],
+               runs: tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]) -> Report:
+        """The Report: verdict, first divergence and the sentence that decided it. ``runs``:
+        the reference's, the target's and the truth's (or None) run metadata."""
         # Where drift enters: the first entry whose own error is over the limit. A leaf module
         # replayed locally is blamed only if its local error is; otherwise it inherited the drift.
         first = next((e for e in entries if e.status in (DRIFT, NONFINITE) and _blamed(e)), None) \
             or next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
-        gate_findings = []
-        for f in self.findings:
-            reason = self.policy.ignore_reason(f.module, f.phase, f.step, f.kind)
-            f.gate = gate_state(f, self.policy)
-            if reason:
-                f.details = dict(f.details or {}, ignored=reason)
-            elif f.gate == "fails gate":
-                gate_findings.append(f)
+        gate_findings = self.gate(findings)
         limit = self.limit_override if self.limit_override is not None else self.policy.limit
-        if failing or gate_findings:
-            verdict = "fail"
-            parts = []
-            cause = _semantic_cause(gate_findings, first)
-            if cause is not None:
-                parts.append(f"{cause.kind} in {cause.module or '(model)'} step {cause.step}: "
-                             f"{cause.message}")
-            if first is not None:
-                parts.append(_decisive(first))
-            if gate_findings:
-                kinds = sorted({f.kind for f in gate_findings})
-                parts.append(f"{len(gate_findings)} finding(s) fail the gate: {', '.join(kinds)}")
-            n_drift = sum(e.status == DRIFT for e in entries)
-            if n_drift:
-                parts.append(f"{n_drift} entr{'y' if n_drift == 1 else 'ies'} above the limit")
-            decided_by = "; ".join(parts)
-        else:
-            verdict = "pass"
-            judged = [e for e in entries if e.status != IGNORED]  # ignored ones are not within it
-            worst = max((e.ratio for e in judged if e.ratio is not None and math.isfinite(e.ratio)),
-                        default=0.0)
-            decided_by = (f"all {len(judged)} entries within the limit (worst ratio "
-                          f"{worst:.3g} <= {limit:g}) and no finding fails the gate")
-        decided_by += _ignored_words(entries, self.findings)
-        fd = None
-        if first is not None:
-            fd = {"key": first.key, "module": first.module, "phase": first.phase,
-                  "step": first.step, "call": first.call, "slot": first.slot,
-                  "ratio": first.ratio, "status": first.status,
-                  "where": _where(first)}
-            if first.local_ratio is not None:
-                fd["local_ratio"] = first.local_ratio
-            fd["blame_module"] = self._blame_module(first)
-            if fd["blame_module"] != first.module and first.phase == "backward":
-                fd["where"] = (f"in the backward of {fd['blame_module']}, which made this tensor "
-                               f"that {first.module or 'the model'} returns (a cache)")
+        decided_by = _decided_by(entries, gate_findings, first, limit) + _ignored_words(entries, findings)
+        fd = self.first_divergence(first)
         cause = _semantic_cause(gate_findings, first)
         if cause is not None:
             # A finding names a defect for certain; drift only where the numbers part (a
@@ -74,42 +44,97 @@ class Verdict:
                   "call": 0, "slot": cause.kind, "ratio": None, "status": "finding",
                   "finding": cause.kind, "where": cause.message, "blame_module": cause.module,
                   **({"drift": fd} if fd else {})}
-        return Report(verdict=verdict, reference=self.ref.run, target=self.tgt.run,
-                      first_divergence=fd, entries=entries, findings=self.findings, limit=limit,
-                      decided_by=decided_by, warnings=self.warnings,
-                      truth=self.truth.run if self.truth is not None else None,
+        verdict = "fail" if any(e.status in (DRIFT, NONFINITE, MISALIGNED) for e in entries) or gate_findings \
+            else "pass"
+        ref_run, tgt_run, truth_run = runs
+        return Report(verdict=verdict, reference=ref_run, target=tgt_run,
+                      first_divergence=fd, entries=entries, findings=findings, limit=limit,
+                      decided_by=decided_by, warnings=warnings, truth=truth_run,
                       policy=dict(self.policy.to_dict(), **({"limit_override": self.limit_override}
                                                             if self.limit_override is not None else {})))
 
-    def _histograms(self, entries: list[Entry]) -> None:
-        """Error histograms (log10 |target - reference|, measured in the metrics pass) for the
-        entries a reader looks at first: the first over the limit and the worst by ratio."""
-        first = next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
-        judged = sorted((e for e in entries if e.ratio is not None),
-                        key=lambda e: -(e.ratio if not math.isnan(e.ratio) else math.inf))
-        for e in ([first] if first is not None else []) + judged[:HISTOGRAMS]:
-            h = self._histograms_by_key.get(e.key)
-            if h is not None and "histogram" not in e.details:
-                e.details["histogram"] = {"edges": list(h.edges), "counts": list(h.counts),
-                                          "exact": h.exact}
+    def gate(self, findings: list[Finding]) -> list[Finding]:
+        """Each finding's gate state set (ignore reasons noted): those that fail the gate."""
+        gate_findings = []
+        for f in findings:
+            reason = self.policy.ignore_reason(f.module, f.phase, f.step, f.kind)
+            f.gate = gate_state(f, self.policy)
+            if reason:
+                f.details = dict(f.details or {}, ignored=reason)
+            elif f.gate == "fails gate":
+                gate_findings.append(f)
+        return gate_findings
 
-    def _blame_module(self, e: Entry) -> str:
+    def first_divergence(self, first: Entry | None) -> dict[str, Any] | None:
+        """Where drift entered, in the report's form (None where nothing drifted)."""
+        if first is None:
+            return None
+        fd: dict[str, Any] = {"key": first.key, "module": first.module, "phase": first.phase,
+                              "step": first.step, "call": first.call, "slot": first.slot,
+                              "ratio": first.ratio, "status": first.status,
+                              "where": _where(first)}
+        if first.local_ratio is not None:
+            fd["local_ratio"] = first.local_ratio
+        fd["blame_module"] = self.blame_module(first)
+        if fd["blame_module"] != first.module and first.phase == "backward":
+            fd["where"] = (f"in the backward of {fd['blame_module']}, which made this tensor "
+                           f"that {first.module or 'the model'} returns (a cache)")
+        return fd
+
+    def blame_module(self, e: Entry) -> str:
         """The module whose code produced the diverging tensor: a forward input is computed by
         the parent's code between its submodules."""
-        r = self.ref_index.by_align.get((e.step, e.phase, e.module, e.call, e.slot))
-        parent = self.ref_index.parent_of(r) if r is not None else None
-        if e.phase == "forward" and e.slot.startswith("input") and parent is not None:
-            return parent[1]
-        if r is not None and self.ref_index.made_inside(r):
-            return r.meta["made_by"].rpartition("#")[0]  # the call that made the cache tensor
+        r = self.index.by_align.get(TraceKey(e.step, e.phase, e.module, e.call, e.slot))
+        parent = self.index.parent_of(r) if r is not None else None
+        if e.phase == "forward" and slot_is(e.slot, "input") and parent is not None:
+            return parent.module
+        if r is not None and self.index.made_inside(r):
+            return call_of(r.step, r.meta["made_by"]).module  # the call that made the cache tensor
         return e.module
+
+
+def attach_histograms(entries: list[Entry], histograms: dict[str, mx.ErrorHistogram]) -> None:
+    """Error histograms (log10 |target - reference|, measured in the metrics pass) for the
+    entries a reader looks at first: the first over the limit and the worst by ratio."""
+    first = next((e for e in entries if e.status in (DRIFT, NONFINITE)), None)
+    judged = sorted((e for e in entries if e.ratio is not None),
+                    key=lambda e: -(e.ratio if e.ratio is not None and not math.isnan(e.ratio) else math.inf))
+    for e in ([first] if first is not None else []) + judged[:HISTOGRAMS]:
+        h = histograms.get(e.key)
+        if h is not None and "histogram" not in e.details:
+            e.details["histogram"] = {"edges": list(h.edges), "counts": list(h.counts),
+                                      "exact": h.exact}
+
+
+def _decided_by(entries: list[Entry], gate_findings: list[Finding], first: Entry | None, limit: float) -> str:
+    """The sentence that decided the verdict."""
+    if any(e.status in (DRIFT, NONFINITE, MISALIGNED) for e in entries) or gate_findings:
+        parts = []
+        cause = _semantic_cause(gate_findings, first)
+        if cause is not None:
+            parts.append(f"{cause.kind} in {cause.module or '(model)'} step {cause.step}: "
+                         f"{cause.message}")
+        if first is not None:
+            parts.append(_decisive(first))
+        if gate_findings:
+            kinds = sorted({f.kind for f in gate_findings})
+            parts.append(f"{len(gate_findings)} finding(s) fail the gate: {', '.join(kinds)}")
+        n_drift = sum(e.status == DRIFT for e in entries)
+        if n_drift:
+            parts.append(f"{n_drift} entr{'y' if n_drift == 1 else 'ies'} above the limit")
+        return "; ".join(parts)
+    judged = [e for e in entries if e.status != IGNORED]  # ignored ones are not within it
+    worst = max((e.ratio for e in judged if e.ratio is not None and math.isfinite(e.ratio)),
+                default=0.0)
+    return (f"all {len(judged)} entries within the limit (worst ratio "
+            f"{worst:.3g} <= {limit:g}) and no finding fails the gate")
 
 
 # Findings that name a defect for certain (inplace.value_mismatch compares values, which drift)
 SEMANTIC = ("batchnorm.", "view.", "inplace.base_not_updated")
 
 
-def _semantic_cause(findings: list, first: Entry | None):
+def _semantic_cause(findings: list[Finding], first: Entry | None) -> Finding | None:
     """The gate-failing semantic finding that explains the failure: the first one at or before
     the first divergence's step (a defect there makes every later number suspect)."""
     for f in sorted((f for f in findings if f.kind.startswith(SEMANTIC)),
@@ -119,7 +144,7 @@ def _semantic_cause(findings: list, first: Entry | None):
     return None
 
 
-def _ignored_words(entries: list[Entry], findings: list) -> str:
+def _ignored_words(entries: list[Entry], findings: list[Finding]) -> str:
     """What the policy's ignore rules took out of the verdict, with their reasons (shown on every
     surface, since the verdict sentence is)."""
     reasons: dict[str, list[int]] = {}
@@ -164,18 +189,18 @@ def _blamed(e: Entry) -> bool:
 def _where(e: Entry) -> str:
     """Say in words where drift entered."""
     mod = e.module or "the model"
-    if e.phase == "forward" and e.slot.startswith("input"):
+    if e.phase == "forward" and slot_is(e.slot, "input"):
         return (f"in the code of the parent of {mod} that computes its input {e.slot} "
                 "(between submodules)")
     if e.phase == "forward":
         return f"in the forward of {mod}"
-    if e.phase == "backward" and e.slot.startswith("grad_input"):
+    if e.phase == "backward" and slot_is(e.slot, "grad_input"):
         return f"in the backward of {mod}"
     if e.phase == "backward":
         return f"in the backward of the code that consumes the output of {mod}"
     if e.phase == "grads":
         return f"in the weight gradient of {mod}"
-    if e.phase == "optimizer" and e.slot.startswith("buffer."):
+    if e.phase == "optimizer" and slot_is(e.slot, "buffer"):
         return f"in the buffers of {mod} after the step (they are updated by its forward)"
     if e.phase == "optimizer":
         return f"in the optimizer update of {mod}"

@@ -159,7 +159,7 @@ def test_large_tensors_measured_in_parts_on_two_workers_match_one_stream(traces,
     one = cmp.Comparison(ref, tgt, chunk_elems=256, workers=1).run()
     monkeypatch.setattr(measure, "PART_ELEMS", 1000)
     split = cmp.Comparison(ref, tgt, chunk_elems=256, workers=2)
-    jobs = [split._parts(e, e) for e in split.ref_entries]
+    jobs = [split.measurer.parts(e, e) for e in split.ref_entries]
     assert sum(1 for p in jobs if p and len(p) > 1) >= 5  # several pairs really are split
     two = split.run()
     assert (two.verdict, two.first_divergence["key"]) == (one.verdict, one.first_divergence["key"])

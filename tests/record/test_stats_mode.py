@@ -388,18 +388,18 @@ def test_stats_mode_update_scale_of_a_small_parameter_is_the_exact_update(tmp_pa
     and for a tensor no larger than a sample they are the whole tensor, so the update is exact
     (the difference of the rms values was used before: a clean bf16 BART failed at 3.6 on an
     attention key bias, whose gradient is zero in exact arithmetic)."""
-    from driftcheck.compare import Comparison
-    full = record(load_scenario("mlp"), tmp_path / "full", force=True)
-    st = record(load_scenario("mlp"), tmp_path / "stats", mode="stats", force=True)
-    cf = Comparison(TraceReader(full), TraceReader(full))
-    cs = Comparison(TraceReader(st), TraceReader(st))
-    small = [e for e in cs.ref_entries if e.phase == "optimizer" and e.slot.startswith("param.")
+    from driftcheck.compare.entries import entries_of
+    from driftcheck.compare.scale import update_scale
+    full = TraceReader(record(load_scenario("mlp"), tmp_path / "full", force=True))
+    st = TraceReader(record(load_scenario("mlp"), tmp_path / "stats", mode="stats", force=True))
+    full_entries, stats_entries = entries_of(full), entries_of(st)
+    small = [e for e in stats_entries if e.phase == "optimizer" and e.slot.startswith("param.")
              and e.stats["numel"] <= stats.SAMPLE_SIZE]
     assert small
-    by_key = {e.key: e for e in cf.ref_entries}
+    by_key = {e.key: e for e in full_entries}
     for e in small:
-        exact = cf._update_scale(by_key[e.key], cf.ref, {x.align: x for x in cf.ref_entries})
-        got = cs._update_scale(e, cs.ref, {x.align: x for x in cs.ref_entries})
+        exact = update_scale(by_key[e.key], full, {x.align: x for x in full_entries})
+        got = update_scale(e, st, {x.align: x for x in stats_entries})
         assert exact[0] > 0 and got == pytest.approx(exact, rel=1e-12), e.key
 
 

@@ -1,0 +1,85 @@
+"""Second opinions on an entry: the target's local replay of its module (the error the module
+adds itself) and the float64 truth run (TorchDynamo's accuracy rule)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.kinks import Kinks
+from driftcheck.compare.measure import Measurer
+from driftcheck.gate.report import DRIFT, NONFINITE, OK
+from driftcheck.numerics import dtypes, floor as fl
+from driftcheck.store.keys import TraceKey
+from driftcheck.store.reader import TraceReader
+
+TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
+
+
+def local_floor(fi: fl.FloorInputs) -> fl.Floor:
+    """The floor of the error a module adds itself: nothing inherited."""
+    return fl.floor(dataclasses.replace(fi, inherited_rms=0.0, inherited_max=0.0))
+
+
+class Opinions:
+    """The local replay's and the truth run's judgement of the reference's entries."""
+
+    def __init__(self, measurer: Measurer, kinks: Kinks, local_map: dict[TraceKey, TraceEntry],
+                 truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None) -> None:
+        self.measurer, self.kinks = measurer, kinks
+        self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
+
+    def local(self, r: TraceEntry, fi: fl.FloorInputs, limit: float) -> dict[str, Any] | None:
+        """The error this module adds itself: the target's replay of it on the reference's
+        inputs (``local.*``) against the reference's output, over the local-only floor."""
+        le = self.local_map.get(r.align)
+        if le is None or list(le.shape) != list(r.shape) or not dtypes.is_float(le.dtype):
+            return None
+        measured = self.measurer.measure(self.measurer.ref, r, self.measurer.tgt, le)
+        m = measured.metrics
+        f = local_floor(fi)
+        ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
+        flips = None
+        if ratio > 1.0 and r.phase == "backward" and r.slot_is("grad_input", "grad_output") \
+                and measured.how in ("full", "sample"):
+            # The replay rounds the reference's input to the target's dtype: a kink's or a
+            # selection's gradient flips where that carried an element across (or into a tie).
+            judged = self.kinks.flips(r, le, m, f.max, "tensor" if measured.how == "full"
+                                      else "sample", local=True)
+            if judged is not m:
+                flips = judged["kink_flips"]
+                ratio = math.inf if flips["unexplained"] else \
+                    f.ratio(judged.get("rms", 0.0), judged.get("max_abs", 0.0))
+        status = NONFINITE if m.get("nonfinite_new", 0) > 0 else (DRIFT if ratio > limit else OK)
+        out = {"ratio": ratio, "status": status, "floor": f.rms, "floor_max": f.max,
+               "rms": m.get("rms"), "max_abs": m.get("max_abs"),
+               "nonfinite_new": m.get("nonfinite_new", 0), "key": le.key}
+        if flips is not None:
+            out["kink_flips"] = flips
+        return out
+
+    def truth_run(self, r: TraceEntry, t: TraceEntry, fi: fl.FloorInputs, limit: float) -> dict[str, Any] | None:
+        """TorchDynamo's accuracy rule against the float64 truth: the target is as good as the
+        reference when err(target, truth) <= M * err(reference, truth) + tol, M = 3 for a
+        bf16/fp16 target (2 otherwise), tol = this op's own rounding (the local analytic floor).
+        Expressed on the policy's scale, ratio = limit * err_t / (M * err_r + tol), so it is over
+        the limit exactly when the rule fails. It only matters for a reference of the target's
+        precision (bf16 CPU vs bf16 accelerator): an fp32 reference is far closer to the truth
+        than any correct bf16 run, and the analytic floor decides. None without a truth run."""
+        te = self.truth_map.get(r.align)
+        if self.truth is None or te is None or list(te.shape) != list(r.shape) or not dtypes.is_float(te.dtype):
+            return None
+        err_t = self.measurer.measure(self.truth, te, self.measurer.tgt, t).metrics
+        err_r = self.measurer.measure(self.truth, te, self.measurer.ref, r).metrics
+        if err_t.get("nonfinite_new", 0) or err_r.get("nonfinite_new", 0):
+            return None
+        mult = TRUTH_M_LOW if t.dtype in ("bfloat16", "float16") else TRUTH_M
+        tol = local_floor(fi)
+        f_rms = mult * err_r.get("rms", 0.0) + tol.rms
+        f_max = mult * err_r.get("max_abs", 0.0) + tol.max
+        # the truth's floor: as many of them as the target's error is
+        floor = fl.Floor(f_rms, f_max, local_rms=tol.rms, inherited_rms=mult * err_r.get("rms", 0.0))
+        raw = floor.ratio(err_t.get("rms", 0.0), err_t.get("max_abs", 0.0))
+        return {"ratio": limit * raw, "floor": f_rms, "m": mult, "err_target": err_t.get("rms"),
+                "err_reference": err_r.get("rms"), "truth_key": te.key}
