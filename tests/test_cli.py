@@ -337,3 +337,16 @@ def test_run_help_documents_every_option(capsys):
     for name in ("run", "compare"):
         limit = next(p for p in cli.commands[name].params if p.name == "limit")
         assert "3.5" in limit.help
+
+
+@pytest.mark.parametrize("flag", [["--compile"], ["--compile", "aot_eager"], ["--reference-compile"]])
+def test_run_long_with_compile_is_refused_before_anything_runs(tmp_path, capsys, flag):
+    """`run --long` records eager steps: a --compile there would be dropped silently (it was,
+    when the check sat after --long's return); it is one line and exit 2, and no side runs."""
+    from conftest import assert_one_line_error, run_cli
+
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "mlp", "--target", "cpu", "--long", "--steps", "3", "--out", out, *flag],
+                           capsys)
+    assert_one_line_error(code, err, "--long runs eager steps", "--compile")
+    assert not out.exists()

@@ -35,12 +35,14 @@ class Ctx:
 def everywhere(f: Any) -> Any:
     """--quiet, --no-color and --debug are accepted after the command name too."""
     def quiet(ctx: click.Context, _p: Any, value: bool) -> None:
-        if value:
-            ctx.find_object(Ctx).quiet = True
+        obj = ctx.find_object(Ctx)  # made by the group: cli()
+        if value and obj is not None:
+            obj.quiet = True
 
     def no_color(ctx: click.Context, _p: Any, value: bool) -> None:
-        if value:
-            ctx.find_object(Ctx).no_color = True
+        obj = ctx.find_object(Ctx)
+        if value and obj is not None:
+            obj.no_color = True
 
     f = click.option("--quiet", "-q", is_flag=True, expose_value=False, callback=quiet,
                      help="Less output: errors, warnings and a verdict line only.")(f)
@@ -130,7 +132,8 @@ def capture_options(f: Any) -> Any:
         click.option("--phases", default=None, help="Subset of forward,backward,grads,optimizer  [default: all]"),
         click.option("--capture-steps", default=None, help="Steps to capture, e.g. 0-1,3  [default: all]"),
         click.option("--transfer", type=click.Choice(["batched", "per-capture"]), default="batched",
-                     show_default=True, help="One device-to-host copy per step, or one per capture (more sync points)."),
+                     show_default=True,
+                     help="One device-to-host copy per step, or one per capture (more sync points)."),
     ])
 
 

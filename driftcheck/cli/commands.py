@@ -153,6 +153,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
                        "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
                        "effect on CUDA (TF32) and under torch_tpu", err=True)
     from driftcheck.loader import load_scenario
+    from driftcheck.record.config import RecordConfig
     from driftcheck.record.runner import default_local, record as do_record
 
     if no_local and local:
@@ -174,13 +175,13 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
     with progress as p:
         what = f"recording {model} on {device} {dtype}" + (" + local replay" if local else "")
         task = p.add_task(what, total=steps or scenario.steps)
-        out = str(do_record(
-            scenario, out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
+        out = str(do_record(scenario, RecordConfig(
+            out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
-            full_modules=full_modules, phases=parse_phases(phases), capture_steps=parse_ranges(capture_steps),
-            transfer=transfer, autocast=autocast, fp8=fp8, view_audit=view_audit, local=local,
-            simulate=simulate, parallel=parallel, emulate=emulate_level, on_step=on_step,
-            start=start, env=env, compile=compile_))
+            full_modules=full_modules, phases=_set(parse_phases(phases)),
+            capture_steps=_set(parse_ranges(capture_steps)), transfer=transfer, autocast=autocast,
+            fp8=fp8, view_audit=view_audit, local=local, simulate=simulate, parallel=parallel,
+            emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_)))
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
@@ -311,3 +312,8 @@ def probe_main(device: str, json_path: str | None = None, reference: str = "cpu"
             raise DriftcheckError(f"cannot write probe JSON to {json_path}: {err.strerror}; "
                                   "choose a writable path for --json") from err
     return 0 if all(results) else 1
+
+
+def _set(values: list[Any] | None) -> frozenset[Any] | None:
+    """A parsed --phases / --capture-steps list as RecordConfig holds it (None: all)."""
+    return None if values is None else frozenset(values)

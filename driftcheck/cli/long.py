@@ -122,7 +122,7 @@ def run_long(obj: Any, *, model: str, out: Path, ref_device: str, tgt_device: st
     from driftcheck.report.long import terminal_lines
     from driftcheck.store.long import LongReader
 
-    rep = compare_long(ref, tgt, ctl)
+    rep = compare_long(str(ref), str(tgt), str(ctl))
     full = None
     if rep.first_bad_step is not None:
         s = rep.first_bad_step

@@ -73,10 +73,11 @@ from driftcheck.errors import DriftcheckError
 def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
         emulate: str | None, compile_backend: str | None, compile_mode: str | None,
-        dynamic: bool | None, reference_compile: str | None, truth: str | None, local: bool | None, drill: bool, reference_env: tuple,
-        target_env: tuple, out: str, force: bool, steps: int | None, seed: int, mode: str,
-        include: tuple, exclude: tuple, full_modules: tuple, phases: str | None,
-        capture_steps: str | None, transfer: str, view_audit: bool, simulate: str | None,
+        dynamic: bool | None, reference_compile: str | None, truth: str | None, local: bool | None,
+        drill: bool, reference_env: tuple, target_env: tuple, out: str, force: bool,
+        steps: int | None, seed: int, mode: str, include: tuple, exclude: tuple,
+        full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
+        view_audit: bool, simulate: str | None,
         policy_path: str | None, limit: float | None, top: int, html: bool, junit_path: str | None,
         md_path: str | None, long_: bool, every: int, points_every: int | None) -> None:
     """Record truth (optional), reference and target, each in its own process, and compare.
@@ -88,13 +89,13 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
     from driftcheck.record.run import Sides, record_sides
 
     ref_env, tgt_env = parse_env(reference_env, "--reference-env"), parse_env(target_env, "--target-env")
+    if long_ and (compile_backend or reference_compile):  # before --long's own run starts
+        raise DriftcheckError("--long runs eager steps; --compile is for a run of a few steps")
     if long_:
         return run_long(obj, model=model, out=Path(out), ref_device=ref_device, tgt_device=tgt_device,
                         reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                         steps=steps, seed=seed, every=every, points_every=points_every, force=force,
                         html=html, simulate=simulate, reference_env=ref_env, target_env=tgt_env)
-    if long_ and (compile_backend or reference_compile):
-        raise DriftcheckError("--long runs eager steps; --compile is for a run of a few steps")
     if local is None:  # the local replay needs the reference's full tensors, and an eager target
         local = mode == "full" and not fp8 and not compile_backend
 

@@ -13,8 +13,8 @@ replayed input is the batch ``training_step`` receives (after the transfer to th
 the target's own data loader does not matter; a replaying target also starts from the reference's
 weights. The step's loss is what Lightning backpropagates (``on_before_backward``), summed over
 the step's batches. ``precision="bf16-mixed"`` / ``"16-mixed"`` are recorded as the run's
-autocast; ``"bf16-true"`` as its dtype; ``gradient_clip_val`` as ``grad_clip``. One optimizer is traced (``configure_optimizers`` may
-return one). Under ``strategy="ddp"`` / FSDP every rank writes ``OUT/rank-<r>``.
+autocast; ``"bf16-true"`` as its dtype; ``gradient_clip_val`` as ``grad_clip``. One optimizer is
+traced (``configure_optimizers`` may return one). Under ``strategy="ddp"`` / FSDP every rank writes ``OUT/rank-<r>``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone package ships the same Callback
     try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]  # the same class
     except ImportError as e:  # pragma: no cover - needs an environment without it
         raise ImportError("driftcheck.integrations.lightning needs Lightning: pip install lightning") from e
 

@@ -112,6 +112,7 @@ class Gate:
         from driftcheck.compare import compare
         from driftcheck.gate.policy import Policy
         from driftcheck.loader import load_scenario
+        from driftcheck.record.config import RecordConfig
         from driftcheck.record.runner import record
         from driftcheck.report.common import conclusion
         from driftcheck.report.html import render_html
@@ -123,10 +124,11 @@ class Gate:
             return load_scenario(model, seed) if isinstance(model, str) else model
 
         device = devices.open_device(self.device)
+        model_id = model if isinstance(model, str) else None
         if self.record_golden:
-            record(scenario(), golden, device=device, dtype=self.dtype, steps=steps, seed=seed,
-                   mode="full", force=True, autocast=self.autocast,
-                   model_id=model if isinstance(model, str) else None)
+            record(scenario(), RecordConfig(golden, device=device, dtype=self.dtype, steps=steps,
+                                            seed=seed, mode="full", force=True,
+                                            autocast=self.autocast, model_id=model_id))
             # The rest of the test is about the target: it does not run on the reference.
             pytest.skip(f"driftcheck: recorded the golden trace {golden}")
         if not (golden / "manifest.json").is_file():
@@ -135,10 +137,11 @@ class Gate:
                         f"{golden})", pytrace=False)
         out = self.out / golden.name
         target = out / "target"
-        record(scenario(), target, device=device, dtype=self.dtype, steps=steps, replay=golden,
-               mode=mode, force=True, autocast=self.autocast, local=golden if local else None,
-               model_id=model if isinstance(model, str) else None)
-        report = compare(golden, target, policy=Policy.load(search_dir=str(self.root)), limit=limit)
+        record(scenario(), RecordConfig(target, device=device, dtype=self.dtype, steps=steps,
+                                        replay=golden, mode=mode, force=True,
+                                        autocast=self.autocast, local=golden if local else None,
+                                        model_id=model_id))
+        report = compare(str(golden), str(target), policy=Policy.load(search_dir=str(self.root)), limit=limit)
         import json
 
         (out / "report.json").write_text(json.dumps(report.to_dict(), indent=1, allow_nan=False,

@@ -24,7 +24,7 @@ import os
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -95,6 +95,7 @@ class TraceSession:
         self._tensors: dict[str, torch.Tensor] = {}  # the replay file's tensors
         self._losses: list[torch.Tensor] = []
         self._ctx: contextlib.ExitStack | None = None
+        self._account: compilation.Account | None = None  # Dynamo's account of a compiled run
 
     # -- the loop's hooks -----------------------------------------------------------------------
     def start(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -223,7 +224,7 @@ class TraceSession:
         self._close_ctx()
         if self.tracer is not None:
             self.tracer.detach()
-        if getattr(self, "_account", None) is not None:
+        if self._account is not None:
             self._account.stop()
         if self.writer is not None and not self.writer.closed:
             self.writer.abort(reason)
@@ -262,7 +263,7 @@ class TraceSession:
             replay_id=self.replay_id, replay_of=str(self.replay) if self.replay else None,
             driver=self.driver, capture_steps=sorted(self.capture or ()), **self.rank,
             **({"grad_clip": self.grad_clip} if self.grad_clip else {}))
-        if getattr(self, "_account", None) is not None:
+        if self._account is not None:
             counts, found = self._account.result()
             run["compile"] = dict(backend="user", mode=None, dynamic=None, **counts)
             tracer.findings.extend(found)
@@ -347,7 +348,7 @@ class SessionCallback:
     """
 
     DRIVER = ""
-    SESSION_OPTIONS: dict[str, Any] = {}  # what a framework's session always needs
+    SESSION_OPTIONS: ClassVar[dict[str, Any]] = {}  # what a framework's session always needs
 
     def __init__(self, out: str | os.PathLike, *, steps: int | Iterable[int] | None = None,
                  replay: str | os.PathLike | None = None, mode: str = "full", seed: int = 0,

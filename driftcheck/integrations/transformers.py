@@ -29,7 +29,7 @@ the logit watch) when the process goes on.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,7 +53,7 @@ class DriftcheckCallback(SessionCallback, TrainerCallback):
 
     DRIVER = DRIVER
     # the model's returned outputs get no gradient capture (module docstring)
-    SESSION_OPTIONS = {"root_output_grads": False}
+    SESSION_OPTIONS: ClassVar[dict[str, Any]] = {"root_output_grads": False}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -115,11 +115,12 @@ class BackwardHooks:
             if t.requires_grad and floating(t) and t.grad_fn is not None:
                 hook = own_work(self._grad_output_hook(name, call, gslot, gctx))
                 t.register_hook(hook)
-                if whole_base_node(t) is not None:
+                base = t._base if whole_base_node(t) is not None else None
+                if base is not None:
                     # An in-place op on a view (ReLU(inplace=True) after an N-d Linear) rebases
                     # it onto its base, and the view's own hook never fires: the base's does
                     # (the same gradient, reshaped; the first capture of a key wins).
-                    t._base.register_hook(lambda g, hook=hook, shape=t.shape: hook(g.reshape(shape)))
+                    base.register_hook(lambda g, hook=hook, shape=t.shape: hook(g.reshape(shape)))
 
     def _walk(self, inputs: list[GradInput], outputs: Pairs, start: int
               ) -> dict[str, list[tuple[Any, int]]]:

@@ -24,19 +24,23 @@ from driftcheck.store.writer import TraceWriter
 HOST_FLUSH_BYTES = 64 << 20
 
 
+Summary = tuple[Any, torch.Tensor | None]  # (stats row, sample), taken at hook time
+
+
 class Pending:
+    """A capture waiting for the step's host transfer: its manifest entry, what it holds (the
+    copy, or the sample), its device-side meta, and its (stats row, sample) where taken early."""
+
     __slots__ = ("dev_meta", "entry", "summary", "tensor")
 
-    def __init__(self, entry: dict[str, Any], tensor: torch.Tensor | None,
-                 dev_meta: dict[str, torch.Tensor] | None,
-                 summary: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    def __init__(self, entry: dict[str, Any], tensor: torch.Tensor,
+                 dev_meta: dict[str, torch.Tensor] | None, summary: Summary | None = None) -> None:
         self.entry = entry
         self.tensor = tensor
         self.dev_meta = dev_meta
         self.summary = summary  # (stats row, sample), taken at hook time instead of a copy
 
 
-Summary = tuple[Any, torch.Tensor | None]  # (stats row, sample), taken at hook time
 Known = tuple[Any, ...]  # (weak ref, identity, row, sample key, sample) of a summarised tensor
 
 
@@ -189,7 +193,7 @@ class Capture:
         if not keep and data.numel() >= tstats.BIG:
             # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
             # than copy it for later; the copy would cost more than the summary.
-            row = self._known_summary(t)
+            row: Any = self._known_summary(t)  # a device row, or a numpy row (summarize_one)
             if row is None and self._carried:
                 row = self._carried_summary(t, data)
             if row is None:
@@ -226,29 +230,7 @@ class Capture:
         with torch.no_grad(), self.quiet():
             fulls = [self.selection.full(p.entry["module"]) or p.entry["phase"] == "loss"
                      for p in pending]
-            # Stats of all captures and the samples of the non-full ones, a few kernels per dtype,
-            # except those summarised in their hook (rows on the host or on the device).
-            todo = [i for i, p in enumerate(pending) if p.summary is None]
-            rows, got = tstats.summarize(
-                [pending[i].tensor for i in todo],
-                [None if fulls[i] else pending[i].entry.get("sample_key", pending[i].entry["key"])
-                 for i in todo], self.seed)
-            samples: list[torch.Tensor | None] = [p.summary[1] if p.summary else None for p in pending]
-            for j, i in enumerate(todo):
-                samples[i] = got[j]
-            stat_lists: list[list[float] | None] = [None] * len(pending)
-            on_device = []
-            for i, p in enumerate(pending):
-                if p.summary is not None:
-                    if isinstance(p.summary[0], torch.Tensor):
-                        on_device.append(i)
-                    else:  # a HostSummaries row: on the host already
-                        stat_lists[i] = p.summary[0].tolist()
-            if on_device:
-                like = rows if todo else pending[on_device[0]].summary[0]
-                extra = torch.stack([pending[i].summary[0].to(like) for i in on_device])
-                rows = torch.cat([rows, extra]) if todo else extra
-            order = todo + on_device
+            rows, order, samples, stat_lists = self._rows(pending, fulls)
             metas = [(i, k, v) for i, p in enumerate(pending) if p.dev_meta
                      for k, v in p.dev_meta.items()]
             meta_vals = torch.cat([v.to(tstats.acc_dtype(v.device)).reshape(-1)
@@ -258,21 +240,7 @@ class Capture:
             for i, row in zip(order, rows.cpu().tolist() if order else []):
                 stat_lists[i] = row
             meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
-        at = 0
-        for i, k, dev in metas:
-            n = dev.numel()
-            v = meta_host[at:at + n]
-            at += n
-            if k == "mag_sq":
-                pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
-            elif k == "norm_gain_sq":
-                meta = pending[i].entry.setdefault("meta", {})
-                meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
-                meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
-            elif k == "logit_absmax":
-                pending[i].entry.setdefault("meta", {})[k] = float(v[0])
-            else:  # kink_profile: counts
-                pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
+        _apply_meta(pending, metas, meta_host)
         for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
             p.entry.pop("sample_key", None)  # the positions are the replayed entry's
             p.entry["stats"] = tstats.to_dict(row)
@@ -280,6 +248,54 @@ class Capture:
                 self.writer.add(p.entry, host)
             else:
                 self.writer.add(p.entry, None, sample=host)
+
+    def _rows(self, pending: list[Pending], fulls: list[bool]
+              ) -> tuple[Any, list[int], list[Any], list[Any]]:
+        """(the device rows of the captures in ``order``, that order, each capture's sample,
+        each one's stats list where already on the host)."""
+        # Stats of all captures and the samples of the non-full ones, a few kernels per dtype,
+        # except those summarised in their hook (rows on the host or on the device).
+        todo = [i for i, p in enumerate(pending) if p.summary is None]
+        rows, got = tstats.summarize(
+            [pending[i].tensor for i in todo],
+            [None if fulls[i] else pending[i].entry.get("sample_key", pending[i].entry["key"])
+             for i in todo], self.seed)
+        samples: list[Any] = [p.summary[1] if p.summary else None for p in pending]
+        for j, i in enumerate(todo):
+            samples[i] = got[j]
+        stat_lists: list[Any] = [None] * len(pending)
+        on_device: list[tuple[int, torch.Tensor]] = []
+        for i, p in enumerate(pending):
+            if p.summary is not None:
+                if isinstance(p.summary[0], torch.Tensor):
+                    on_device.append((i, p.summary[0]))
+                else:  # a HostSummaries row: on the host already
+                    stat_lists[i] = p.summary[0].tolist()
+        if on_device:
+            like = rows if todo else on_device[0][1]
+            extra = torch.stack([row.to(like) for _, row in on_device])
+            rows = torch.cat([rows, extra]) if todo else extra
+        return rows, todo + [i for i, _ in on_device], samples, stat_lists
+
+
+def _apply_meta(pending: list[Pending], metas: list[tuple[int, str, torch.Tensor]],
+                values: list[float]) -> None:
+    """The device-side meta, read back (``values``, in ``metas`` order), into the entries."""
+    at = 0
+    for i, k, dev in metas:
+        n = dev.numel()
+        v = values[at:at + n]
+        at += n
+        if k == "mag_sq":
+            pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
+        elif k == "norm_gain_sq":
+            meta = pending[i].entry.setdefault("meta", {})
+            meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
+            meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
+        elif k == "logit_absmax":
+            pending[i].entry.setdefault("meta", {})[k] = float(v[0])
+        else:  # kink_profile: counts
+            pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
 
 
 def _pack_samples(host: list[torch.Tensor], fulls: list[bool]) -> None:

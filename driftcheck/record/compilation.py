@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ def wrap(model: nn.Module, compile: dict[str, Any]) -> nn.Module:
     kwargs: dict[str, Any] = {"backend": compile["backend"], "dynamic": compile.get("dynamic")}
     if compile.get("mode"):
         kwargs["mode"] = compile["mode"]
-    return inline_hooks(torch.compile(model, **kwargs))
+    return inline_hooks(cast(nn.Module, torch.compile(model, **kwargs)))  # an OptimizedModule
 
 
 def inline_hooks(model: nn.Module) -> nn.Module:
@@ -121,12 +121,13 @@ def _live_instance_dicts() -> Any:
         return self._driftcheck_output.side_effects
 
     prop = property(live, lambda self, value: None)  # its own __init__ sets it: ignored
-    cls.__init__, cls.side_effects = __init__, prop
+    # Dynamo's own class patched for the run (undone by ``undo``): mypy cannot follow it
+    cls.__init__, cls.side_effects = __init__, prop  # type: ignore[method-assign,assignment]
 
     def undo() -> None:  # once, however often stop() is called
         if vars(cls).get("side_effects") is prop:
-            cls.__init__ = init
-            del cls.side_effects
+            cls.__init__ = init  # type: ignore[method-assign]  # Dynamo's own, back
+            del cls.side_effects  # type: ignore[misc]  # the property set above
 
     return undo
 
@@ -145,8 +146,9 @@ class Account:
         # stochastic depth) from the run's generator as eager code draws them, not from
         # inductor's own Philox streams: a compiled target then draws the eager reference's
         # (as DropoutControl's masks), or every such call differs for no numeric reason.
-        import torch._inductor.config as inductor_config
+        import torch._inductor.config as inductor_module
 
+        inductor_config: Any = inductor_module  # a config module: its attributes are made at import
         self._random = (inductor_config, inductor_config.fallback_random)
         inductor_config.fallback_random = True
         self._unpatch = _live_instance_dicts()
@@ -210,12 +212,12 @@ class Account:
                     + _reason(stack), {"stack": stack[-2000:]}))
         for m in recompiles:
             reason = str(m.recompile_reason)
-            ours = bool(_our_line(reason)) or (str(getattr(m, "co_filename", "")).startswith(_OURS)
-                                               and not _forward_frame(m))
+            caused = bool(_our_line(reason)) or (str(getattr(m, "co_filename", "")).startswith(_OURS)
+                                                 and not _forward_frame(m))
             findings.append(finding(
-                "compile.recompile", "error" if ours else "warning",
+                "compile.recompile", "error" if caused else "warning",
                 (f"Dynamo recompiled {getattr(m, 'co_name', '?')} because of the tracer's state: "
-                 if ours else f"Dynamo recompiled {getattr(m, 'co_name', '?')} (the model's own "
+                 if caused else f"Dynamo recompiled {getattr(m, 'co_name', '?')} (the model's own "
                  "guards, not the capture's): ") + reason.strip().splitlines()[0][:300],
                 {"reason": reason[:2000]}))
         if breaks and not any(f["kind"] == "compile.graph_break" for f in findings):
@@ -230,7 +232,8 @@ class Account:
 _BREAK_LOG = "torch._dynamo.symbolic_convert.__graph_breaks"
 # The capture's code (not the training loop's frames, loop.py and runner.py, which call the model
 # and so sit at the outer end of every stack Dynamo reports)
-_CAPTURE = r"(?:record/(?:taps|hooks|autograd|capture|tracer|watch|meta|norms|rng)|audit/\w+)"
+_CAPTURE = (r"(?:record/(?:taps|hooks|autograd|capture|tracer|watch|meta|norms|rng|calls|state|audits"
+            r"|selection)|audit/\w+)")
 _OUR_FILE = re.compile(r'(?:File ")?([^"\s]*driftcheck/' + _CAPTURE + r'\.py)(?:", line |:)(\d+)')
 _ANY_FILE = re.compile(r'File "([^"]+)", line (\d+)')
 

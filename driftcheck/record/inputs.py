@@ -82,6 +82,7 @@ def new_inputs(model: nn.Module, scenario: Scenario, config: RecordConfig, n_ste
     batches = [scenario.batch(i) for i in range(n_steps)]
     replay_id = uuid.uuid4().hex
     if config.parallel:
+        assert rank is not None and world is not None  # joined the group: record._join_ranks
         batches = [ranks.shard_batch(b, rank, world) for b in batches]
         replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
     tensors: dict[str, torch.Tensor] = {}

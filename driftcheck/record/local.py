@@ -31,7 +31,7 @@ from torch import nn
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
-from driftcheck.store.format import LOCAL_PREFIX
+from driftcheck.store.keys import LOCAL_PREFIX, TraceKey
 
 
 class LocalReplay:
@@ -47,10 +47,10 @@ class LocalReplay:
 
         self.reader = TraceReader(ref_dir)
         self.dropout = dropout
-        self.by_key: dict[tuple, dict[str, Any]] = {}
+        self.by_key: dict[TraceKey, dict[str, Any]] = {}
         for e in self.reader.entries:
             if e["phase"] in ("params", "forward", "backward") and e.get("tensor") is not None:
-                self.by_key[(e["step"], e["phase"], e["module"], e["call"], e["slot"])] = e
+                self.by_key[TraceKey.of(e)] = e
         if not self.by_key and self.reader.entries:
             raise DriftcheckError(f"--local {ref_dir}: the reference holds no full forward/backward "
                                   "tensors (recorded with --mode stats?); record it with --mode full")
@@ -60,10 +60,8 @@ class LocalReplay:
 
     def tensor(self, step: int, phase: str, module: str, call: int, slot: str) -> torch.Tensor | None:
         """The reference's full tensor of that entry, or None where it holds none."""
-        e = self.by_key.get((step, phase, module, call, slot))
+        e = self.by_key.get(TraceKey(step, phase, module, call, slot))
         return None if e is None else self.reader.tensor(e)
-
-    _ref = tensor
 
     def before_call(self, name: str, call: int, device: torch.device | None = None) -> None:
         """At the real call's pre-hook: remember where the dropout mask stream and the RNG
@@ -92,7 +90,7 @@ class LocalReplay:
         def ref_input(slot: str, t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad and t.is_floating_point():
                 needs_grad.add(slot)
-            r = self._ref(step, "forward", name, call, slot)
+            r = self.tensor(step, "forward", name, call, slot)
             if r is None or tuple(r.shape) != tuple(t.shape):
                 missing.append(slot)
                 return t
@@ -105,17 +103,8 @@ class LocalReplay:
 
         r_args = substitute(args, "input", ref_input)
         r_kwargs = substitute(kwargs, "input", ref_input)
-        ref_params: dict[str, nn.Parameter] = {}
-        for k, p in module._parameters.items():
-            if p is None:
-                continue
-            key = owner(p) or (name, k)
-            rp = self._ref(step, "params", key[0], 0, f"param.{key[1]}")
-            if rp is None or tuple(rp.shape) != tuple(p.shape):
-                missing.append(f"param.{k}")
-                break
-            ref_params[k] = nn.Parameter(rp.to(device=p.device, dtype=p.dtype), requires_grad=False)
-        if missing:
+        ref_params = self._ref_params(step, name, module, owner)
+        if missing or ref_params is None:
             return results
         leaves: list[tuple[str, torch.Tensor]] = []
         if backward:
@@ -135,27 +124,48 @@ class LocalReplay:
             substitute(out, "output", lambda s, t: outs.append((s, t)))
             for slot, t in outs:
                 results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
-            if not backward or not leaves:
-                return results
-            pairs = []
-            for slot, t in outs:
-                g = self._ref(step, "backward", name, call, "grad_" + slot)
-                if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
-                    g = g.to(device=t.device, dtype=t.dtype)
-                    pairs.append((t, g))
-                    # The recorded gradient of an output is its total: where the module also
-                    # computes another output from it (a router's scores from its logits), the
-                    # other output's share is already in it. The hook makes the replay's total at
-                    # this tensor the recorded one instead of adding that share a second time.
-                    t.register_hook(lambda _total, g=g: g)
-            if not pairs:
-                return results
-            grads = torch.autograd.grad([t for t, _ in pairs], [x for _, x in leaves],
-                                        grad_outputs=[g for _, g in pairs], allow_unused=True)
-            for (slot, _), g in zip(leaves, grads):
-                if g is not None:
-                    results.append(("backward", LOCAL_PREFIX + "grad_" + slot, g.detach()))
+            if backward and leaves:
+                results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
+                                                 outs, leaves)
         return results
+
+    def _ref_params(self, step: int, name: str, module: nn.Module,
+                    owner: Callable[[torch.Tensor], tuple[str, str] | None]
+                    ) -> dict[str, nn.Parameter] | None:
+        """The module's parameters as the reference had them at this step (cast to the
+        target's dtype), or None where the reference holds one of them not."""
+        ref_params: dict[str, nn.Parameter] = {}
+        for k, p in module._parameters.items():
+            if p is None:
+                continue
+            key = owner(p) or (name, k)
+            rp = self.tensor(step, "params", key[0], 0, f"param.{key[1]}")
+            if rp is None or tuple(rp.shape) != tuple(p.shape):
+                return None
+            ref_params[k] = nn.Parameter(rp.to(device=p.device, dtype=p.dtype), requires_grad=False)
+        return ref_params
+
+    def _replay_backward(self, at: TraceKey, outs: list[tuple[str, torch.Tensor]],
+                         leaves: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, torch.Tensor]]:
+        """The replay's input gradients from the reference's output gradients (``at``: the
+        call's backward key, its slot left empty)."""
+        pairs = []
+        for slot, t in outs:
+            g = self.tensor(*at.with_slot("grad_" + slot))
+            if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
+                g = g.to(device=t.device, dtype=t.dtype)
+                pairs.append((t, g))
+                # The recorded gradient of an output is its total: where the module also
+                # computes another output from it (a router's scores from its logits), the
+                # other output's share is already in it. The hook makes the replay's total at
+                # this tensor the recorded one instead of adding that share a second time.
+                t.register_hook(lambda _total, g=g: g)
+        if not pairs:
+            return []
+        grads = torch.autograd.grad([t for t, _ in pairs], [x for _, x in leaves],
+                                    grad_outputs=[g for _, g in pairs], allow_unused=True)
+        return [("backward", LOCAL_PREFIX + "grad_" + slot, g.detach())
+                for (slot, _), g in zip(leaves, grads) if g is not None]
 
     @contextlib.contextmanager
     def _isolated(self, module: nn.Module, mark: tuple[int, int] | None,

@@ -15,9 +15,9 @@ import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +31,15 @@ from driftcheck.record.rng import DropoutControl
 from driftcheck.scenario import Scenario, call_model
 from driftcheck.store import format as fmt
 from driftcheck.store.long import write_long, write_point
-from driftcheck.store.replay import decode_batch, encode_batch, input_prefix, read_replay, replay_meta, write_replay
+from driftcheck.store.replay import (
+    decode_batch,
+    encode_batch,
+    input_prefix,
+    read_replay,
+    replay_meta,
+    state_key,
+    write_replay,
+)
 
 SAMPLE_SIZE = 4096  # parameter elements kept per sampled step
 SAMPLE_SEED = 0x5EED
@@ -55,7 +63,7 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
             that differs from the reference by rounding only).
         target_hooks: called with the model before training (fault injection); if what it
             returns has ``set_step``, that is called with each step index (a scheduled fault).
-        simulate: train on a simulated faulty backend (driftcheck/simulate.py: ``skip-bn-stats``
+        simulate: train on a simulated faulty backend (targets/simulate.py: ``skip-bn-stats``
             is torch_tpu 0.2.0's BatchNorm that never writes its running statistics).
     """
     out = Path(out)
@@ -64,39 +72,15 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
     if steps < 1 or every < 1 or points_every < 1:
         raise DriftcheckError(f"--steps, --every and --points-every must be at least 1 "
                               f"(got {steps}, {every}, {points_every})")
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it or "
-                                  "choose another directory")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / fmt.INCOMPLETE).write_text("long record in progress or interrupted\n")
+    _prepare_out(out, force)
     device, tdtype = torch.device(device), dtypes.parse_cli(dtype)
     model = scenario.model
     if scenario.loss is None or scenario.optimizer is None:
         raise DriftcheckError(f"a long record trains: model {model_id or scenario.name} needs a loss "
                               "and an optimizer")
     torch.manual_seed(seed)
-    if replay is not None:
-        tensors, meta = read_replay(replay)
-        if not meta.get("cycle"):
-            raise DriftcheckError(f"--replay {replay} is not a long reference (record it with "
-                                  "driftcheck record --long)")
-        load_state(model, tensors, replay)
-        distinct = [decode_batch(d, tensors) for d in meta.get("inputs", [])]
-        cycle, replay_id = int(meta["cycle"]), str(meta.get("replay_id"))
-        seed = int(meta.get("seed", seed))
-        if int(meta.get("steps", 0)) < steps:
-            raise DriftcheckError(f"--replay {replay} holds {meta.get('steps')} step(s); --steps "
-                                  f"{steps} asks for more")
-        torch.manual_seed(seed)
-    else:
-        distinct = list(scenario.inputs) if isinstance(scenario.inputs, list) else [scenario.inputs]
-        if not distinct:
-            raise DriftcheckError(f"model {model_id or scenario.name} has no inputs")
-        cycle, replay_id = len(distinct), uuid.uuid4().hex
-        initial = {f"{'param' if isinstance(t, nn.Parameter) else 'buffer'}/{k}": t.detach().clone()
-                   for k, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    inputs = _long_inputs(scenario, model, replay, seed, steps, model_id)
+    seed = inputs.seed
     model.to(device=device)
     if tdtype != torch.float32:
         model._apply(lambda t: t.to(tdtype) if t.is_floating_point() else t)
@@ -104,21 +88,10 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
         _one_ulp(model, seed)
     hook = target_hooks(model) if target_hooks is not None else None
     optimizer = scenario.optimizer(model.parameters())
-    params = [p for p in model.parameters() if p.requires_grad]
-    positions = _sample_positions(params, SAMPLE_SIZE)
-    # floating buffers apart (BatchNorm running statistics a backend may never write): among the
-    # parameters their few positions would drown
-    buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
-    buffer_positions = _sample_positions(buffers, SAMPLE_SIZE) if buffers else []
-    names = [n for n, _ in model.named_modules()]
-    dropout = DropoutControl(seed)
-    acc = _acc_dtype(device)
-    cols = torch.zeros(steps, len(("loss", "grad_norm", "update_norm", "param_norm")),
-                       dtype=acc, device=device)
-    sample_steps = [s for s in range(steps) if s % every == 0 or s == steps - 1]
-    samples, module_rms, buffer_samples = [], [], []
+    cols = _Columns(model, steps, every, device)
+    loop = _Loop(scenario, model, optimizer, device, tdtype, autocast, model_id or scenario.name,
+                 DropoutControl(seed))
     points: list[int] = []
-    name = model_id or scenario.name
     backend: Any = contextlib.nullcontext()
     if simulate:
         from driftcheck.targets.simulate import backend as simulated
@@ -131,62 +104,161 @@ def record_long(scenario: Scenario, out: str | os.PathLike, *, steps: int,
                 points.append(step)
             if hook is not None and hasattr(hook, "set_step"):
                 hook.set_step(step)
-            sampled = step in sample_steps
-            rms: dict[str, torch.Tensor] = {}
-            handles = [m.register_forward_hook(_rms_hook(n, rms, acc)) for n, m in model.named_modules()] \
-                if sampled else []
-            dropout.set_step(step)
-            batch = cast_batch(distinct[step % cycle], device, tdtype)
-            try:
-                with dropout, autocast_context(device, autocast):
-                    with user_code(name, "the forward", step):
-                        output = call_model(model, batch)
-                    with user_code(name, "loss(output, batch)", step):
-                        loss = scenario.loss(output, batch)
-            finally:
-                for h in handles:
-                    h.remove()
-            with user_code(name, "the backward", step):
-                loss.backward()
-            grads = [p.grad for p in params if p.grad is not None]
-            before = [p.detach().clone() for p in params]
-            with user_code(name, "the optimizer step", step):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                cols[step, 0] = loss.detach().to(acc)
-                cols[step, 1] = _norm(grads, acc)
-                cols[step, 2] = _norm(torch._foreach_sub([p.detach() for p in params], before), acc)
-                cols[step, 3] = _norm([p.detach() for p in params], acc)
-                if sampled:
-                    samples.append(torch.cat([p.detach().reshape(-1)[i].to(acc) for p, i in zip(params, positions)]))
-                    if buffers:
-                        buffer_samples.append(torch.cat([b.reshape(-1)[i].to(acc)
-                                                         for b, i in zip(buffers, buffer_positions)]))
-                    module_rms.append(torch.stack([rms.get(n, torch.tensor(float("nan"), device=device))
-                                                   .to(acc) for n in names]))
+            loop.step(step, inputs.distinct[step % inputs.cycle], cols)
             if on_step is not None:
                 on_step(step + 1, steps)
-    columns = {"loss": cols[:, 0], "grad_norm": cols[:, 1], "update_norm": cols[:, 2],
-               "param_norm": cols[:, 3], "sample_steps": torch.tensor(sample_steps, dtype=torch.float64),
-               "param_sample": torch.stack(samples).to(torch.float64 if tdtype == torch.float64 else torch.float32),
-               "module_rms": torch.stack(module_rms)}
-    if buffer_samples:
-        columns["buffer_sample"] = torch.stack(buffer_samples)
+    columns = cols.columns(tdtype)
     if replay is None:
-        rtensors: dict[str, torch.Tensor] = dict(initial)
-        descs = [encode_batch(b, input_prefix(i), rtensors) for i, b in enumerate(distinct)]
-        write_replay(out, rtensors, replay_meta(replay_id=replay_id, seed=seed, steps=steps, inputs=descs,
-                                                model=model_id, cycle=cycle))
+        rtensors: dict[str, torch.Tensor] = dict(inputs.initial)
+        descs = [encode_batch(b, input_prefix(i), rtensors) for i, b in enumerate(inputs.distinct)]
+        write_replay(out, rtensors, replay_meta(replay_id=inputs.replay_id, seed=seed, steps=steps,
+                                                inputs=descs, model=model_id, cycle=inputs.cycle))
     run = run_metadata(model=model, device=device, mode="long", steps=steps,
                        dtype=dtypes.name_of(tdtype), dtype_obj=tdtype, seed=seed, autocast=autocast,
-                       model_id=name, scenario=scenario.name, replay_id=replay_id,
+                       model_id=loop.name, scenario=scenario.name, replay_id=inputs.replay_id,
                        replay_of=str(replay) if replay else None, every=every,
                        points_every=points_every if replay is None else None, perturbed=perturb,
-                       modules=names, sample_size=int(columns["param_sample"].shape[1]))
+                       modules=cols.names, sample_size=int(columns["param_sample"].shape[1]))
     write_long(out, run, columns, points)
     (out / fmt.INCOMPLETE).unlink(missing_ok=True)
     return out
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it or "
+                                  "choose another directory")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / fmt.INCOMPLETE).write_text("long record in progress or interrupted\n")
+
+
+class _LongInputs(NamedTuple):
+    distinct: list[Any]  # the distinct batches, cycled through
+    cycle: int
+    replay_id: str
+    seed: int
+    initial: dict[str, torch.Tensor]  # a reference's initial state (replay keys); {} replayed
+
+
+def _long_inputs(scenario: Scenario, model: nn.Module, replay: str | os.PathLike | None,
+                 seed: int, steps: int, model_id: str | None) -> _LongInputs:
+    """The batches a long record cycles through: the scenario's, or a long reference's (its
+    initial state then loaded into ``model``)."""
+    if replay is not None:
+        tensors, meta = read_replay(replay)
+        if not meta.get("cycle"):
+            raise DriftcheckError(f"--replay {replay} is not a long reference (record it with "
+                                  "driftcheck record --long)")
+        load_state(model, tensors, replay)
+        distinct = [decode_batch(d, tensors) for d in meta.get("inputs", [])]
+        seed = int(meta.get("seed", seed))
+        if int(meta.get("steps", 0)) < steps:
+            raise DriftcheckError(f"--replay {replay} holds {meta.get('steps')} step(s); --steps "
+                                  f"{steps} asks for more")
+        torch.manual_seed(seed)
+        return _LongInputs(distinct, int(meta["cycle"]), str(meta.get("replay_id")), seed, {})
+    distinct = list(scenario.inputs) if isinstance(scenario.inputs, list) else [scenario.inputs]
+    if not distinct:
+        raise DriftcheckError(f"model {model_id or scenario.name} has no inputs")
+    initial = {state_key("param" if isinstance(t, nn.Parameter) else "buffer", k): t.detach().clone()
+               for k, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    return _LongInputs(distinct, len(distinct), uuid.uuid4().hex, seed, initial)
+
+
+class _Columns:
+    """A long record's per-step columns, kept on the device (no host sync): the loss, the
+    gradient, update and parameter norms; at sampled steps the parameter and buffer samples
+    and each module's output rms."""
+
+    def __init__(self, model: nn.Module, steps: int, every: int, device: torch.device) -> None:
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.positions = _sample_positions(self.params, SAMPLE_SIZE)
+        # floating buffers apart (BatchNorm running statistics a backend may never write): among
+        # the parameters their few positions would drown
+        self.buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+        self.buffer_positions = _sample_positions(self.buffers, SAMPLE_SIZE) if self.buffers else []
+        self.names = [n for n, _ in model.named_modules()]
+        self.acc = _acc_dtype(device)
+        self.cols = torch.zeros(steps, len(("loss", "grad_norm", "update_norm", "param_norm")),
+                                dtype=self.acc, device=device)
+        self.sample_steps = [s for s in range(steps) if s % every == 0 or s == steps - 1]
+        self.samples: list[torch.Tensor] = []
+        self.module_rms: list[torch.Tensor] = []
+        self.buffer_samples: list[torch.Tensor] = []
+
+    def after(self, step: int, loss: torch.Tensor, grads: list[torch.Tensor],
+              before: list[torch.Tensor], rms: dict[str, torch.Tensor] | None) -> None:
+        """Step ``step`` done (``before``: the parameters before its update; ``rms``: the
+        module outputs' rms at a sampled step, else None)."""
+        acc, params = self.acc, self.params
+        with torch.no_grad():
+            self.cols[step, 0] = loss.detach().to(acc)
+            self.cols[step, 1] = _norm(grads, acc)
+            self.cols[step, 2] = _norm(torch._foreach_sub([p.detach() for p in params], before), acc)
+            self.cols[step, 3] = _norm([p.detach() for p in params], acc)
+            if rms is not None:
+                self.samples.append(torch.cat([p.detach().reshape(-1)[i].to(acc)
+                                               for p, i in zip(params, self.positions)]))
+                if self.buffers:
+                    self.buffer_samples.append(torch.cat([b.reshape(-1)[i].to(acc) for b, i
+                                                          in zip(self.buffers, self.buffer_positions)]))
+                self.module_rms.append(torch.stack([
+                    rms.get(n, torch.tensor(float("nan"), device=self.device)).to(acc)
+                    for n in self.names]))
+
+    def columns(self, tdtype: torch.dtype) -> dict[str, torch.Tensor]:
+        cols = self.cols
+        columns = {"loss": cols[:, 0], "grad_norm": cols[:, 1], "update_norm": cols[:, 2],
+                   "param_norm": cols[:, 3],
+                   "sample_steps": torch.tensor(self.sample_steps, dtype=torch.float64),
+                   "param_sample": torch.stack(self.samples).to(
+                       torch.float64 if tdtype == torch.float64 else torch.float32),
+                   "module_rms": torch.stack(self.module_rms)}
+        if self.buffer_samples:
+            columns["buffer_sample"] = torch.stack(self.buffer_samples)
+        return columns
+
+
+class _Loop(NamedTuple):
+    """One training step of a long record (the record's loop code: record/loop.py's pieces)."""
+
+    scenario: Scenario
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    tdtype: torch.dtype
+    autocast: str | None
+    name: str
+    dropout: DropoutControl
+
+    def step(self, step: int, raw: Any, cols: _Columns) -> None:
+        sampled = step in cols.sample_steps
+        rms: dict[str, torch.Tensor] = {}
+        handles = [m.register_forward_hook(_rms_hook(n, rms, cols.acc))
+                   for n, m in self.model.named_modules()] if sampled else []
+        self.dropout.set_step(step)
+        batch = cast_batch(raw, self.device, self.tdtype)
+        assert self.scenario.loss is not None
+        try:
+            with self.dropout, autocast_context(self.device, self.autocast):
+                with user_code(self.name, "the forward", step):
+                    output = call_model(self.model, batch)
+                with user_code(self.name, "loss(output, batch)", step):
+                    loss = self.scenario.loss(output, batch)
+        finally:
+            for h in handles:
+                h.remove()
+        with user_code(self.name, "the backward", step):
+            loss.backward()
+        grads = [p.grad for p in cols.params if p.grad is not None]
+        before = [p.detach().clone() for p in cols.params]
+        with user_code(self.name, "the optimizer step", step):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        cols.after(step, loss, grads, before, rms if sampled else None)
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
@@ -195,7 +267,7 @@ def _acc_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
-def _norm(tensors: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+def _norm(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], acc: torch.dtype) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=acc)
     return torch.linalg.vector_norm(torch.stack([n.to(acc) for n in torch._foreach_norm(tensors)]))
@@ -212,7 +284,7 @@ def _rms_hook(name: str, into: dict[str, torch.Tensor], acc: torch.dtype) -> Cal
     return hook
 
 
-def _sample_positions(params: list[torch.Tensor], size: int) -> list[torch.Tensor]:
+def _sample_positions(params: Sequence[torch.Tensor], size: int) -> list[torch.Tensor]:
     """Fixed positions in each parameter (by shape and a constant seed: the same on every run
     of the model), in proportion to its size, at least one each."""
     total = sum(p.numel() for p in params) or 1

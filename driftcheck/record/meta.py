@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -117,7 +118,7 @@ def static_meta(m: nn.Module) -> dict[str, Any]:
     if kg is not None:
         meta["k_grad"] = kg
     if kind == "conv":
-        meta["kernel"] = math.prod(m.kernel_size)
+        meta["kernel"] = math.prod(cast(tuple[int, ...], m.kernel_size))
     if kind == "batchnorm":
         # a running mean sums momentum x the batch mean: its rounding scales with what it sums
         meta["momentum"] = m.momentum if m.momentum is not None else 1.0
@@ -145,7 +146,7 @@ def call_k(static: dict[str, Any], args: tuple) -> int | None:
 def backward_meta(ctx: dict[str, Any]) -> dict[str, Any]:
     """A backward entry's meta from its forward call's: the module, and the reduction length of
     its input gradient as ``k``."""
-    meta = {k: ctx[k] for k in ("parent", "module_type", "kind") if k in ctx}
+    meta: dict[str, Any] = {k: ctx[k] for k in ("parent", "module_type", "kind") if k in ctx}
     if "k_grad" in ctx:
         meta["k"] = ctx["k_grad"]
     return meta
@@ -231,10 +232,11 @@ def tie_profile(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """A max pool's kink profile: counts[k] = windows whose two largest inputs are within
     absmax(x) * 2^-k of each other (where rounding may flip the choice), on x's device. None
     for a selection this does not know how to rerun."""
-    pools = {nn.MaxPool1d: (F.max_pool1d, 1), nn.MaxPool2d: (F.max_pool2d, 2),
-             nn.MaxPool3d: (F.max_pool3d, 3), nn.AdaptiveMaxPool1d: (F.adaptive_max_pool1d, 1),
-             nn.AdaptiveMaxPool2d: (F.adaptive_max_pool2d, 2),
-             nn.AdaptiveMaxPool3d: (F.adaptive_max_pool3d, 3)}
+    pools: dict[type, tuple[Callable[..., Any], int]] = {
+        nn.MaxPool1d: (F.max_pool1d, 1), nn.MaxPool2d: (F.max_pool2d, 2),
+        nn.MaxPool3d: (F.max_pool3d, 3), nn.AdaptiveMaxPool1d: (F.adaptive_max_pool1d, 1),
+        nn.AdaptiveMaxPool2d: (F.adaptive_max_pool2d, 2),
+        nn.AdaptiveMaxPool3d: (F.adaptive_max_pool3d, 3)}
     fn, dims = pools.get(type(m), (None, 0))
     if fn is None or not x.is_floating_point() or x.numel() == 0 or x.dim() <= dims:
         return None

@@ -61,7 +61,7 @@ def norm_layout(m: nn.Module, x: Any) -> dict[str, Any] | None:
     norm whose layout it does not know."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         return None
-    eps = getattr(m, "eps", None)
+    eps: Any = getattr(m, "eps", None)
     if eps is None:
         eps = getattr(m, "variance_epsilon", 1e-6)
     if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -72,7 +72,7 @@ def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        return fully_shard(model)
+        return cast(nn.Module, fully_shard(model))  # the same module, its class made FSDP's
     raise DriftcheckError(f"--parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
 
 

@@ -18,7 +18,7 @@ Owner = tuple[str, str, torch.Tensor]  # (owning module, parameter name, the par
 
 def parameter_owners(model: nn.Module) -> dict[int, Owner]:
     """id(parameter) -> (the module that owns it, its name there, the parameter)."""
-    owners = {}
+    owners: dict[int, Owner] = {}
     for name, p in model.named_parameters():
         mod, _, leaf = name.rpartition(".")
         owners[id(p)] = (mod, leaf, p)

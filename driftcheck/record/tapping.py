@@ -144,7 +144,7 @@ class GraphTaps:
         for module, name in self.names.items():
             fn = taps.forward_tap(self.tap_id, name, self.root_output_grads, module)
             if fn is not None:
-                module.forward = fn  # type: ignore[method-assign]  # restored by untap
+                module.forward = fn  # restored by untap
 
     def untap(self) -> None:
         """The number unregistered, each module's own forward back; the regrouped gradient sums

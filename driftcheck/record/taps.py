@@ -259,7 +259,7 @@ def forward_tap(tid: int, name: str, root_grads: bool, module: nn.Module) -> Cal
 
     FORWARD_CALL_LINES.add(tap_forward.__code__.co_firstlineno + 1)  # its body's first line
     own = tap_forward.__code__.replace(co_name=frame)
-    fn = types.FunctionType(own, tap_forward.__globals__, own.co_name, None, tap_forward.__closure__)
+    fn: Any = types.FunctionType(own, tap_forward.__globals__, own.co_name, None, tap_forward.__closure__)
     fn = functools.update_wrapper(fn, wrapped)  # its signature is the forward's (Trainer reads it)
     fn.__name__ = own.co_name
     fn._driftcheck_replaces = before
@@ -333,7 +333,7 @@ def where(t: torch.Tensor) -> tuple:
 
 
 def uninstall(module: nn.Module) -> None:
-    fn = module.__dict__.get("forward")
+    fn: Any = module.__dict__.get("forward")
     if hasattr(fn, "_driftcheck_replaces"):
         before = fn._driftcheck_replaces
         if before is _MISSING:
@@ -350,7 +350,7 @@ def _grad_hook(tid: int, name: str, slot: str, call: torch.Tensor, grad: torch.T
 
 def positional(pairs: list[tuple[str, torch.Tensor]]) -> tuple:
     """The call's positional tensor arguments, rebuilt from tapped slots ("input.0", ...)."""
-    out = []
+    out: list[torch.Tensor] = []
     for slot, t in pairs:
         rest = slot[6:] if slot.startswith("input.") else ""
         if rest.isdigit() and int(rest) == len(out):
@@ -363,7 +363,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside ``torch.compile(model)``: its paths carry no ``_orig_mod.``."""
     while isinstance(getattr(model, "_orig_mod", None), nn.Module) and \
             type(model).__name__ == "OptimizedModule":
-        model = model._orig_mod
+        model = model._orig_mod  # type: ignore[assignment]  # an nn.Module: checked above
     return model
 
 
