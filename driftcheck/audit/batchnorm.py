@@ -21,7 +21,7 @@ Tracer wiring (per tracked norm module ``m`` at module path ``path``):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -121,22 +121,22 @@ def audit_call(
 
     factor = _factor(module, instance, b.get("num_batches_tracked"))
     details["factor"] = factor
-    if instance and input.dim() == module._get_no_batch_dim():
+    if instance and input.dim() == cast(Any, module)._get_no_batch_dim():  # _InstanceNorm's own
         input = input.unsqueeze(0)  # unbatched (C, *): _InstanceNorm runs it as a batch of one
     batch_mean, batch_var, scale_mean, scale_var, n = _batch_stats(input, instance)
-    u_buf = dtypes.unit_roundoff(before["running_mean"].dtype)
+    u_buf = dtypes.unit_roundoff(_present(before["running_mean"]).dtype)
     u_acc = dtypes.unit_roundoff(_opmath(input.dtype)) + dtypes.unit_roundoff(_acc_dtype(input))
     checks = []
     for name, batch, scale in (("running_mean", batch_mean, scale_mean),
                                ("running_var", batch_var, scale_var)):
-        old = b[name].to(torch.float64)
-        new = a[name].to(torch.float64)
+        old = _present(b[name]).to(torch.float64)
+        new = _present(a[name]).to(torch.float64)
         expected = (1.0 - factor) * old + factor * batch
         # Roundoff of the update (buffer dtype) plus that of the batch statistics (accumulation
         # dtype, ~sqrt(n) growth), both measured against magnitudes, not the result.
         magnitude = (1.0 - factor) * old.abs() + factor * batch.abs() + expected.abs()
         tol = _SLACK * (u_buf * magnitude + factor * u_acc * math.sqrt(n) * scale)
-        tol = tol + dtypes.tiny(dtypes.name_of(before[name].dtype))
+        tol = tol + dtypes.tiny(dtypes.name_of(_present(before[name]).dtype))
         checks.append((name, old, new, expected, tol))
 
     any_moved = moved["running_mean"] or moved["running_var"]
@@ -194,9 +194,17 @@ def _counter_delta(before: torch.Tensor | None, after: torch.Tensor | None) -> i
     return int(after.item()) - int(before.item())
 
 
+def _present(t: torch.Tensor | None) -> torch.Tensor:
+    """A running statistic already known to be there (checked before the update is judged)."""
+    if t is None:
+        raise ValueError("a running statistic disappeared")
+    return t
+
+
 def _factor(module: nn.Module, instance: bool, counter_before: torch.Tensor | None) -> float:
-    if module.momentum is not None:
-        return float(module.momentum)
+    momentum = cast(Any, module).momentum  # a norm layer's: a float or None
+    if momentum is not None:
+        return float(momentum)
     if instance:
         return 0.0  # _InstanceNorm passes momentum 0.0 when it is None
     # _BatchNorm: cumulative average over the batches seen, counter already incremented.
@@ -204,7 +212,8 @@ def _factor(module: nn.Module, instance: bool, counter_before: torch.Tensor | No
     return 1.0 / float(count)
 
 
-def _batch_stats(x: torch.Tensor, instance: bool) -> tuple[torch.Tensor, ...]:
+def _batch_stats(x: torch.Tensor, instance: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Per-channel batch mean, unbiased variance, their magnitude scales, and the count.
 
     Computed on the input's device in float64 where it has it (float32 elsewhere: TPU, MPS), so
@@ -229,7 +238,7 @@ def _batch_stats(x: torch.Tensor, instance: bool) -> tuple[torch.Tensor, ...]:
         scale_mean = flat.abs().mean(dim=1)
         scale_var = flat.pow(2).mean(dim=1) * n / max(n - 1, 1)
     host = [t.to("cpu", torch.float64) for t in (mean, var, scale_mean, scale_var)]
-    return (*host, n)
+    return host[0], host[1], host[2], host[3], n
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:

@@ -129,7 +129,7 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
                  if i not in matched_t]
     first = next((j for j in judged if j.ratio > lim), None)
     pt = dataclasses.asdict(point)
-    root = None
+    root: dict[str, Any] | None = None
     if first is not None:
         root = {"module": point.module, "step": point.step, "call": point.call,
                 "phase": first.phase, "op": first.op, "ratio": first.ratio, "floor": first.floor,
@@ -143,7 +143,7 @@ def drill(ref: str | os.PathLike, target: str | os.PathLike, *, point: Any = Non
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        if first is not None:
+        if first is not None and root is not None:  # set together
             from driftcheck.drill.repro import write_repro
 
             path = write_repro(out / "repro", ref_ops[first.ref_index], tgt_ops[first.tgt_index],

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ class OpJudgement:
         return dataclasses.asdict(self)
 
 
-def _call(op: str, spec: Any, leaves: list[torch.Tensor], float_dtype: torch.dtype | None = None
+def _call(op: str, spec: Any, leaves: list[torch.Tensor],
+          float_dtype: torch.dtype | Callable[[torch.dtype], torch.dtype] | None = None
           ) -> list[torch.Tensor | None] | None:
     try:
         a, k = decode_args(spec, leaves, device="cpu", float_dtype=float_dtype)
@@ -129,7 +131,7 @@ def _alternatives(tgt: OpRecord, ins: list[torch.Tensor], truth: torch.Tensor) -
         if wrong is not None and wrong.shape == truth.shape:
             alt["scales_wrong_axis"] = _rms(wrong - t64)
     if name in SUMS and ins and ins[0].is_floating_point() and 0 < ins[0].numel() <= 1 << 22:
-        from driftcheck.targets.faults import _seq_sum
+        from driftcheck.targets.faults import sequential_sum
 
         x = ins[0]
         a, k = decode_args(tgt.spec, [x.clone()] + [i.clone() for i in ins[1:]])
@@ -137,12 +139,11 @@ def _alternatives(tgt: OpRecord, ins: list[torch.Tensor], truth: torch.Tensor) -
         dims = tuple(range(x.dim())) if dim in (None, []) else ((dim,) if isinstance(dim, int) else tuple(dim))
         n = math.prod(x.shape[d] for d in dims) if x.dim() else 1
         if x.dim() and n <= 8192:
-            acc = _seq_sum(x.float(), dims, torch.bfloat16).double()
+            acc = sequential_sum(x.float(), dims, torch.bfloat16).double()
             if name == "mean":
                 acc = acc / n
-            acc = acc.reshape(t64.shape) if acc.numel() == t64.numel() else None
-            if acc is not None:
-                alt["bf16_accumulation"] = _rms(acc - t64)
+            if acc.numel() == t64.numel():
+                alt["bf16_accumulation"] = _rms(acc.reshape(t64.shape) - t64)
     return alt
 
 
@@ -152,7 +153,8 @@ def _scaled_mm_exact(a: tuple, k: dict, wrong_axis: bool = False) -> torch.Tenso
     names = ("self", "mat2", "scale_a", "scale_b", "bias")
     v = dict(zip(names, a), **{n: k[n] for n in names if n in k})
     x, w, sa, sb = (v.get(n) for n in names[:4])
-    if not all(isinstance(t, torch.Tensor) for t in (x, w, sa, sb)):
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and isinstance(sa, torch.Tensor)
+            and isinstance(sb, torch.Tensor)):
         return None
     acc = x.double() @ w.double()
     sa, sb = sa.double(), sb.double()
@@ -177,7 +179,7 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
     if ref.packet == "_scaled_mm":  # no float64 kernel: its fp8 operands are exact in float64
         a, k = decode_args(ref.spec, [x.clone() for x in ins])
         exact = _scaled_mm_exact(a, k)
-        truth = [exact] if exact is not None else None
+        truth: list[torch.Tensor | None] | None = [exact] if exact is not None else None
     else:
         truth = _call(ref.op, ref.spec, [x.clone() for x in as64], torch.float64)
     truth_kind = "float64"
@@ -188,8 +190,8 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
     ideal = _ideal(tgt, [x.clone() for x in cast], emulate, merge_spec(ref.spec, tgt.spec))
     ratios: list[float | None] = []
     best: tuple[float, float, float, float, int] | None = None  # ratio, floor, error, size, k
-    for k, y in enumerate(tgt.local):
-        t = truth[k] if k < len(truth) else None
+    for out_index, y in enumerate(tgt.local):
+        t = truth[out_index] if out_index < len(truth) else None
         if y is None or t is None or not y.is_floating_point() or tuple(y.shape) != tuple(t.shape):
             ratios.append(None)
             continue
@@ -201,7 +203,7 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
             y64, t64 = torch.where(finite, y64, 0.0), torch.where(finite, t64, 0.0)
             scale = _rms(t64)
             u = dtypes.unit_roundoff(y.dtype)
-            f = ideal[k] if ideal is not None and k < len(ideal) else None
+            f = ideal[out_index] if ideal is not None and out_index < len(ideal) else None
             f64 = torch.where(finite, f.double(), 0.0) if f is not None and \
                 tuple(f.shape) == tuple(y.shape) and f.is_floating_point() else None
             e_f = _rms(f64 - t64) if f64 is not None else 0.0
@@ -211,7 +213,7 @@ def judge_pair(ref: OpRecord, tgt: OpRecord, emulate: str | None = None) -> OpJu
             r = (err / floor, floor, err, size)
         ratios.append(r[0])
         if best is None or r[0] > best[0]:
-            best = (*r, k)
+            best = (*r, out_index)
     if best is None:
         return None
     alt = {}

@@ -122,7 +122,8 @@ class Policy:
             if os.path.basename(path) == "pyproject.toml":
                 table = data.get("tool", {}).get("driftcheck")
                 if table is None:
-                    raise DriftcheckError(f"{path}: no [tool.driftcheck] table; add one or point --policy at a driftcheck.toml")
+                    raise DriftcheckError(f"{path}: no [tool.driftcheck] table; add one or point --policy "
+                                          "at a driftcheck.toml")
                 return cls.from_mapping(table, source=path)
             return cls.from_mapping(data, source=path)
         own = os.path.normpath(os.path.join(search_dir, FILE_NAME))
@@ -148,17 +149,20 @@ class Policy:
         rules = data.get("module", data.get("overrides", []))
         name = "module" if "module" in data else "overrides"
         if not isinstance(rules, list):
-            raise DriftcheckError(f"{where}: '{name}' must be an array of tables ([[{name}]]), got {type(rules).__name__}")
+            raise DriftcheckError(f"{where}: '{name}' must be an array of tables ([[{name}]]), "
+                                  f"got {type(rules).__name__}")
         overrides = [_override(r, where, f"[[{name}]] #{i + 1}") for i, r in enumerate(rules)]
         ignores_raw = data.get("ignore", [])
         if not isinstance(ignores_raw, list):
-            raise DriftcheckError(f"{where}: 'ignore' must be an array of tables ([[ignore]]), got {type(ignores_raw).__name__}")
+            raise DriftcheckError(f"{where}: 'ignore' must be an array of tables ([[ignore]]), "
+                                  f"got {type(ignores_raw).__name__}")
         ignores = [_ignore(r, where, f"[[ignore]] #{i + 1}") for i, r in enumerate(ignores_raw)]
         fail_on = None
         if "fail_on" in data:
             fail_on = data["fail_on"]
             if not isinstance(fail_on, list) or not all(isinstance(k, str) and k for k in fail_on):
-                raise DriftcheckError(f"{where}: 'fail_on' must be a list of finding kinds, e.g. fail_on = [\"batchnorm\", \"view\"]")
+                raise DriftcheckError(f"{where}: 'fail_on' must be a list of finding kinds, "
+                                      "e.g. fail_on = [\"batchnorm\", \"view\"]")
             fail_on = tuple(_kind(k, where, "fail_on item") for k in fail_on)
         steps = _steps(data["steps"], where, "steps") if "steps" in data else None
         min_entries = data.get("min_entries", 1)
@@ -288,7 +292,8 @@ def _no_unknown(table: dict[str, Any], allowed: set[str], where: str, what: str)
 
 def _limit(value: Any, where: str, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise DriftcheckError(f"{where}: {what} must be a number > 0 (a ratio to the noise floor), got {value!r}; e.g. limit = 4")
+        raise DriftcheckError(f"{where}: {what} must be a number > 0 (a ratio to the noise floor), "
+                              f"got {value!r}; e.g. limit = 4")
     return float(value)
 
 
@@ -342,7 +347,8 @@ def _ignore(rule: Any, where: str, what: str) -> IgnoreRule:
                               f"why, e.g. reason = \"dropout differs by design\"")
     steps = _steps(rule["steps"], where, f"{what} steps") if "steps" in rule else None
     kind = _str(rule, "kind", where, what)
-    return IgnoreRule(reason=reason.strip(), glob=glob, kind=None if kind is None else _kind(kind, where, f"{what} kind"),
+    return IgnoreRule(reason=reason.strip(), glob=glob,
+                      kind=None if kind is None else _kind(kind, where, f"{what} kind"),
                       phase=_phase(rule, where, what), steps=steps)
 
 
@@ -351,6 +357,8 @@ def _steps(value: Any, where: str, what: str) -> tuple[int, int | None]:
     bad = DriftcheckError(f"{where}: {what} must be a step range like \"0-3\", \"2\", \"2-\" or [0, 3], got {value!r}")
     if isinstance(value, bool):
         raise bad
+    first: int
+    last: int | None
     if isinstance(value, int):
         first, last = value, value
     elif isinstance(value, list):

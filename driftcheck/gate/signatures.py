@@ -4,13 +4,18 @@ explanation and a workaround, matched from the evidence of a comparison and of a
 A match is a finding ``known.<name>`` (severity "warning": the evidence it rests on is already
 judged, it adds what the defect is). Pure: reports and drill judgements in, findings out.
 
-| name | evidence |
-|---|---|
-| ``batchnorm_running_stats_not_written`` | a ``batchnorm.running_stats_not_updated`` finding |
-| ``scaled_mm_rowwise_scales_wrong_axis`` | a ``_scaled_mm`` over its floor whose error matches its scales applied along the other axis |
-| ``matmul_below_recorded_precision`` | a float32 matmul over its floor whose error matches one bf16 pass |
-| ``reduction_low_precision_accumulation`` | a sum/mean over its floor whose error matches a bf16 running sum |
-| ``layernorm_backward_low_precision_params`` | a LayerNorm backward whose weight/bias gradients exceed their floor while its input gradient does not; or compare's ``precision.low_precision_sum`` on a LayerNorm losing at least 5% |
+Each name, and the evidence it is matched from:
+
+- ``batchnorm_running_stats_not_written``: a ``batchnorm.running_stats_not_updated`` finding;
+- ``scaled_mm_rowwise_scales_wrong_axis``: a ``_scaled_mm`` over its floor whose error matches its
+  scales applied along the other axis;
+- ``matmul_below_recorded_precision``: a float32 matmul over its floor whose error matches one
+  bf16 pass;
+- ``reduction_low_precision_accumulation``: a sum/mean over its floor whose error matches a bf16
+  running sum;
+- ``layernorm_backward_low_precision_params``: a LayerNorm backward whose weight/bias gradients
+  exceed their floor while its input gradient does not; or compare's
+  ``precision.low_precision_sum`` on a LayerNorm losing at least 5%.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.hf.batches import _IMAGE, _ctc_batch, _image_batch, _speech_batch, _text_batch
+from driftcheck.hf.batches import IMAGE_SIZE, ctc_batch, image_batch, speech_batch, text_batch
 from driftcheck.scenario import Scenario
 
 if TYPE_CHECKING:  # torch is imported only once the device is known (torch_tpu autoload)
@@ -75,7 +75,7 @@ _TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
         "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
         "v_head_dim": 8, "experts_implementation": "eager"}),
     "vit": ("ViTConfig", "ViTForImageClassification", dict(
-        image_size=_IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+        image_size=IMAGE_SIZE, patch_size=8, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=64, num_labels=10, attn_implementation="eager")),
     "resnet": ("ResNetConfig", "ResNetForImageClassification", dict(
         embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
@@ -83,7 +83,7 @@ _TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
     "convnext": ("ConvNextConfig", "ConvNextForImageClassification", dict(
         hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, patch_size=4, num_labels=10)),
     "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(
-        image_size=_IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+        image_size=IMAGE_SIZE, patch_size=8, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, mlp_ratio=2, num_labels=10, attn_implementation="eager")),
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", dict(
         vocab_size=128, num_mel_bins=16, d_model=32, encoder_layers=2, decoder_layers=2,
@@ -247,7 +247,7 @@ def _task(model: nn.Module) -> str:
     raise AssertionError(name)
 
 
-def _head_class(transformers: Any, config: Any, path: str) -> type:
+def _head_class(transformers: Any, config: Any, path: str) -> Any:  # a transformers model class
     """The task head: from ``config.architectures`` when it names one, else from the model type."""
     for arch in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, arch, None)
@@ -277,8 +277,8 @@ def _scenario(model: nn.Module, name: str, seed: int) -> Scenario:
 
     model.train()  # from_pretrained returns eval mode; a training step needs dropout/BN training
     task = _task(model)
-    make = {"causal_lm": _text_batch, "image": _image_batch, "ctc": _ctc_batch,
-            "speech_seq2seq": _speech_batch}[task]
+    make = {"causal_lm": text_batch, "image": image_batch, "ctc": ctc_batch,
+            "speech_seq2seq": speech_batch}[task]
     generator = torch.Generator().manual_seed(seed)
     inputs = [make(model, generator) for _ in range(2)]
     return Scenario(model=model, inputs=inputs, loss=model_loss, optimizer=adamw, steps=2,
@@ -295,7 +295,7 @@ def _build_unet(seed: int) -> Scenario:
     from diffusers.models.attention_processor import AttnProcessor
 
     with _seeded(seed):
-        unet = UNet2DModel(
+        unet: Any = UNet2DModel(  # a diffusers ModelMixin (an nn.Module mypy cannot see as one)
             sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
             block_out_channels=(8, 16), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
             up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=4, attention_head_dim=8)
@@ -331,6 +331,8 @@ def _noise_prediction_class() -> type:
         from torch import nn
 
         class NoisePrediction(nn.Module):
+            alphas_cumprod: torch.Tensor  # a buffer
+
             def __init__(self, unet: nn.Module) -> None:
                 super().__init__()
                 self.unet = unet

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 _BATCH = 2
 _SEQ = 16  # tokens per sequence (text), decoder tokens (whisper): 8
-_IMAGE = 32  # pixels, for models whose config has no image size
+IMAGE_SIZE = 32  # pixels, for models whose config has no image size
 _CTC_FRAMES = 48  # wav2vec2 frames after the feature encoder
 _SAMPLING_RATE = 16_000
 
@@ -34,9 +34,9 @@ def _specials(config: Any) -> set[int]:
     return {i for i in flat if isinstance(i, int)}
 
 
-def _text_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
+def text_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """(B, T) token ids; row 1 right-padded by a quarter: mask 0, label -100."""
-    config = model.config
+    config: Any = model.config  # a PretrainedConfig: its fields depend on the family
     seq = min(_SEQ, getattr(config, "max_position_embeddings", _SEQ) or _SEQ)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     ids = _tokens(generator, (_BATCH, seq), config.vocab_size, _specials(config))
@@ -47,12 +47,12 @@ def _text_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "use_cache": False}
 
 
-def _image_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
+def image_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """Smooth random images in [0, 1] (low-res noise upsampled + grain), ImageNet-normalized."""
     import torch
 
-    config = model.config
-    size = getattr(config, "image_size", _IMAGE)
+    config: Any = model.config  # a PretrainedConfig: its fields depend on the family
+    size = getattr(config, "image_size", IMAGE_SIZE)
     h, w = (size, size) if isinstance(size, int) else tuple(size)
     channels = getattr(config, "num_channels", 3)
     coarse = torch.rand(_BATCH, channels, max(h // 4, 1), max(w // 4, 1), generator=generator)
@@ -94,11 +94,11 @@ def _log_mel(wave: torch.Tensor, n_mels: int, frames: int) -> torch.Tensor:
     return (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
 
 
-def _speech_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
+def speech_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """Whisper: log-mel (B, n_mels, 2 * max_source_positions), shifted decoder ids, padding."""
     import torch
 
-    config = model.config
+    config: Any = model.config  # a PretrainedConfig: its fields depend on the family
     frames = 2 * config.max_source_positions  # the encoder's stride-2 conv halves it
     features = _log_mel(_waveform(generator, frames * 160), config.num_mel_bins, frames)
     length = min(8, config.max_target_positions)
@@ -113,11 +113,11 @@ def _speech_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any
             "use_cache": False}
 
 
-def _ctc_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
+def ctc_batch(model: nn.Module, generator: torch.Generator) -> dict[str, Any]:
     """wav2vec2: raw waveforms long enough for _CTC_FRAMES encoder frames; row 1 zero-padded."""
     import torch
 
-    config = model.config
+    config: Any = model.config  # a PretrainedConfig: its fields depend on the family
     samples = _CTC_FRAMES
     for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride))):
         samples = (samples - 1) * stride + kernel  # invert the conv output-length formula

@@ -143,7 +143,7 @@ def float_name(dtype: DTypeLike) -> str:
 
 def eps_tiny(d: DTypeLike) -> tuple[float, float]:
     eps = 2.0 * _UNIT_ROUNDOFF[d]
-    tiny = float(torch.finfo(torch.float32 if d == "tf32" else d).tiny)
+    tiny = float(torch.finfo(torch.float32 if isinstance(d, str) else d).tiny)  # "tf32": fp32's range
     return eps, tiny
 
 
@@ -211,7 +211,8 @@ def measure_kind(name: str) -> str:
 def tiny(name: str) -> float:
     """Smallest normal of a real floating dtype (0.0 for integers, complex and unknown names)."""
     try:
-        return float(torch.finfo(getattr(torch, name)).tiny) if is_float(name) and not name.startswith("complex") else 0.0
+        real = is_float(name) and not name.startswith("complex")
+        return float(torch.finfo(getattr(torch, name)).tiny) if real else 0.0
     except (TypeError, AttributeError):
         return 0.0
 

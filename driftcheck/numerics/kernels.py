@@ -30,12 +30,12 @@ import torch
 
 HIST_BINS = 2048  # float64 biased exponents
 _EXPONENT_BITS = np.int64(0x7FF0000000000000)
-_BLOCK = 1024  # elements per inner block (two float64 buffers stay in L1)
+BLOCK = 1024  # elements per inner block (two float64 buffers stay in L1)
 _RECIPROCAL_BITS = np.int64(2046 << 52)  # bits(2^-k) = bits(2046 << 52) - bits(2^k)
-_FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of each op unchanged
+FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of each op unchanged
 
 
-def _jit(**options):
+def jit(**options):
     """``numba.njit(nogil=True, cache=True)``; without a writable cache location (a read-only
     install and no writable home), compile on first use in each process instead. Either way
     compiling (or loading from the cache) holds Ctrl-C back until it is done: see
@@ -122,7 +122,7 @@ FIELDS = ("n_pair", "n_ref", "n_tgt", "abs", "sq", "rr", "tt", "rt", "ref_sq", "
           "max_index")
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compiled)
     """Partials (``FIELDS``) of a chunk pair assumed all finite; ``max_index`` is -1 (the
     caller finds it with ``first_index`` only when the chunk's maximum is a new one).
@@ -135,8 +135,8 @@ def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compil
     the values), since a floating-point max reduction keeps LLVM from vectorizing a loop.
     """
     n = r.shape[0]
-    ae_buf = np.empty(_BLOCK, np.float64)
-    ar_buf = np.empty(_BLOCK, np.float64)
+    ae_buf = np.empty(BLOCK, np.float64)
+    ar_buf = np.empty(BLOCK, np.float64)
     ae_bits = ae_buf.view(np.int64)
     ar_bits = ar_buf.view(np.int64)
     tiny_bits = np.array([tiny], np.float64).view(np.int64)[0]
@@ -150,9 +150,9 @@ def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compil
     mx = np.int64(0)
     amax = np.int64(0)
     mu = np.int64(0)
-    for start in range(0, n, _BLOCK):
-        rb = r[start:start + _BLOCK]
-        tb = t[start:start + _BLOCK]
+    for start in range(0, n, BLOCK):
+        rb = r[start:start + BLOCK]
+        tb = t[start:start + BLOCK]
         m = rb.shape[0]
         for j in range(m):
             a = np.float64(rb[j])
@@ -194,7 +194,7 @@ def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compil
             bits[1], exact, 0, 0, 0, 0, 0, 0, -1)
 
 
-@_jit()
+@jit()
 def first_index(r, t, value):  # pragma: no cover (compiled)
     """First flat index where |t - r| (in float64) equals ``value``; -1 if none does."""
     for i in range(r.shape[0]):
@@ -203,7 +203,7 @@ def first_index(r, t, value):  # pragma: no cover (compiled)
     return -1
 
 
-@_jit()
+@jit()
 def general_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compiled)
     """Partials (``FIELDS``) of any chunk pair, NaN and Inf included: error metrics over the
     positions where both sides are finite, each side's own statistics over its finite values,

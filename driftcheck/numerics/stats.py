@@ -151,16 +151,16 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     samples: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
+    for i, (t, key) in enumerate(zip(tensors, sample_keys, strict=True)):
         if t.numel() >= BIG and t.device.type == "cpu" and t.dtype not in _FP8 and t.is_floating_point():
             rows[i] = _large_stats(t)
-            if sample_keys[i] is not None:
-                samples[i] = large_sample(t, sample_keys[i], seed)
+            if key is not None:
+                samples[i] = large_sample(t, key, seed)
             continue
         if t.numel() == 0 or t.is_complex():
             rows[i] = stats_vector(t)
-            if sample_keys[i] is not None:
-                samples[i] = sample_of(t, sample_keys[i], seed)
+            if key is not None:
+                samples[i] = sample_of(t, key, seed)
             continue
         groups.setdefault((t.device, t.dtype), []).append(i)
     for idxs in groups.values():
@@ -176,8 +176,8 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
                                                          [sample_keys[i] for i in part], seed)
             except (RuntimeError, NotImplementedError):  # a backend without segment_reduce
                 got_rows = [stats_vector(tensors[i]) for i in part]
-                got_samples = [None if sample_keys[i] is None else
-                               sample_of(tensors[i], sample_keys[i], seed) for i in part]
+                got_samples = [None if (key := sample_keys[i]) is None else
+                               sample_of(tensors[i], key, seed) for i in part]
             for j, i in enumerate(part):
                 rows[i], samples[i] = got_rows[j], got_samples[j]
             start = end
@@ -304,7 +304,7 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
     if any(k is not None for k in keys):
         sampled = [i for i, k in enumerate(keys) if k is not None]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        picks = _flat_sample_indices([keys[i] for i in sampled], [lengths[i] for i in sampled],
+        picks = _flat_sample_indices([k for k in keys if k is not None], [lengths[i] for i in sampled],
                                      offsets[sampled], seed)
         gathered = flat.index_select(0, torch.from_numpy(picks).to(dev))
         parts = iter(gathered.split([min(lengths[i], SAMPLE_SIZE) for i in sampled]))

@@ -1,6 +1,7 @@
 """The compiled inner loops of stats mode on the host (``stats.summarize``, the capture hooks):
 ``segment_stats`` (statistics of many small captures laid end to end), ``dense_stats`` (one
-large capture; ``copy_stats`` copies it in the same pass), ``sample_positions`` and ``gather_sample`` (the seeded sample), ``summarize_into``
+large capture; ``copy_stats`` copies it in the same pass), ``sample_positions`` and
+``gather_sample`` (the seeded sample), ``summarize_into``
 (statistics and sample of one capture, taken in its hook) and ``col_sumsq`` (a Linear's operand
 magnitude, record/meta.py). Pure numerics, no I/O; compiled by numba on first use, as
 ``kernels``, whose conventions they share (float64 sums, reassociated, never approximated).
@@ -13,10 +14,10 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from driftcheck.numerics.kernels import _BLOCK, _FLAGS, _jit, flat_view, host_array  # noqa: F401  (re-exported)
+from driftcheck.numerics.kernels import BLOCK, FLAGS, flat_view, host_array, jit  # noqa: F401  (re-exported)
 
 
-@_jit()
+@jit()
 def segment_stats(x, lengths, out):  # pragma: no cover (compiled)
     """Summary statistics of consecutive segments of ``x`` (float32 or float64), one row of
     ``out`` (float64, ``(len(lengths), 9)``) per segment, columns as ``stats.FIELDS``: min, max,
@@ -46,7 +47,7 @@ def segment_stats(x, lengths, out):  # pragma: no cover (compiled)
             _segment_general(seg, row)
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def _squared_deviation(seg, mean):  # pragma: no cover (compiled)
     dev = 0.0
     for j in range(seg.shape[0]):
@@ -55,7 +56,7 @@ def _squared_deviation(seg, mean):  # pragma: no cover (compiled)
     return dev
 
 
-@_jit()
+@jit()
 def _segment_general(seg, row):  # pragma: no cover (compiled)
     """``segment_stats`` of one segment holding NaN/Inf (or overflowing float64 squares)."""
     n = seg.shape[0]
@@ -98,10 +99,11 @@ def _segment_general(seg, row):  # pragma: no cover (compiled)
     row[4] = max(abs(lo), abs(hi))
 
 
-@_jit()
+@jit()
 def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (compiled)
-    """Stats-mode sample positions of many tensors (``stats.sample_indices``): row i of ``out`` is min(floor(((base + shifts[i]) mod 1) * lengths[i]),
-    lengths[i] - 1) + offsets[i]. base + shift lies in [0, 2): subtracting 1 is exact."""
+    """Stats-mode sample positions of many tensors (``stats.sample_indices``): row i of ``out`` is
+    min(floor(((base + shifts[i]) mod 1) * lengths[i]), lengths[i] - 1) + offsets[i].
+    base + shift lies in [0, 2): subtracting 1 is exact."""
     for i in range(shifts.shape[0]):
         n = lengths[i]
         for j in range(base.shape[0]):
@@ -111,7 +113,7 @@ def sample_positions(base, shifts, lengths, offsets, out):  # pragma: no cover (
             out[i, j] = min(np.int64(x * n), n - 1) + offsets[i]
 
 
-@_jit()
+@jit()
 def gather_sample(x, base, shift, out):  # pragma: no cover (compiled)
     """The stats-mode sample of one flat array of more than len(base) elements: out[j] =
     x[min(floor(((base[j] + shift) mod 1) * n), n - 1)], the positions ``sample_positions``
@@ -124,7 +126,7 @@ def gather_sample(x, base, shift, out):  # pragma: no cover (compiled)
         out[j] = x[min(np.int64(v * n), n - 1)]
 
 
-@_jit()
+@jit()
 def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compiled)
     """One capture at once: ``segment_stats`` of all of ``x`` (flat, non-empty) into
     ``rows[k]`` and its stats-mode sample into ``samples[k]``: all of ``x`` when it has at
@@ -141,7 +143,7 @@ def summarize_into(x, base, shift, rows, samples, k):  # pragma: no cover (compi
     gather_sample(x, base, shift, samples[k])
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def dense_stats(x):  # pragma: no cover (compiled)
     """(sum, sum of squares, min, max) of a float32/float64 array in float64, one pass.
 
@@ -152,7 +154,7 @@ def dense_stats(x):  # pragma: no cover (compiled)
     return _stats_pass(x, x, False)
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def copy_stats(x, out):  # pragma: no cover (compiled)
     """``dense_stats(x)`` while copying ``x`` into ``out`` (same dtype and length), in the same
     pass: full mode keeps a copy of each capture and its statistics, and the source is read once,
@@ -160,18 +162,18 @@ def copy_stats(x, out):  # pragma: no cover (compiled)
     return _stats_pass(x, out, True)
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
     n = x.shape[0]
     s = 0.0
     sq = 0.0
     keys = _keys(out if copy else x)
     lo, hi = _key_bounds(keys)
-    for start in range(0, n, _BLOCK):  # slices, not index ranges: those do not vectorize
-        xb = x[start:start + _BLOCK]
+    for start in range(0, n, BLOCK):  # slices, not index ranges: those do not vectorize
+        xb = x[start:start + BLOCK]
         m = xb.shape[0]
         if copy:  # the copy in the same loop: one read of each element
-            ob = out[start:start + _BLOCK]
+            ob = out[start:start + BLOCK]
             for j in range(m):
                 ob[j] = xb[j]
                 v = np.float64(ob[j])
@@ -180,12 +182,12 @@ def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
             for j in range(m):
                 v = np.float64(xb[j])
                 s, sq = s + v, sq + v * v
-        lo, hi = _key_range(keys[start:start + _BLOCK], lo, hi)  # the block again, from L1
+        lo, hi = _key_range(keys[start:start + BLOCK], lo, hi)  # the block again, from L1
     mn, mx = _key_values(keys, lo, hi)
     return s, sq, mn, mx
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def weighted_absmax(x, cols, span):  # pragma: no cover (compiled)
     """``record.watch``'s weighted |logit| max of a float32/float64 softmax input, rows of
     ``cols`` laid end to end (softmax over the last dim): max(largest finite row max, -(least
@@ -299,7 +301,7 @@ def _key_values_impl(keys, lo, hi):  # pragma: no cover (compiled)
     return impl64
 
 
-@_jit(fastmath=_FLAGS)
+@jit(fastmath=FLAGS)
 def col_sumsq(x, k, out):  # pragma: no cover (compiled)
     """out[j] = sum over rows r of x[r * k + j]^2 in float64: the column sums of squares of a
     flat row-major (rows, k) float32/float64 array, in one pass and no temporary."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import math
 import re
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import markupsafe
@@ -67,8 +68,8 @@ def render_html(report: Report) -> str:
     limits = [entry_limit(e) for e in ordered]
     by_key = {e.key: e for e in ordered}
     first = report.first_divergence or None
-    first_entry = by_key.get(first.get("key")) if first else None
-    env = _environment()
+    first_entry = by_key.get(first["key"]) if first and "key" in first else None
+    env = environment()
     context = {
         "report": report,
         "passed": bool(report),
@@ -83,9 +84,9 @@ def render_html(report: Report) -> str:
         "first_extra": _first_extra(first),
         "root_cause": root_cause_lines(report.root_cause),
         "chart_points": sum(1 for e in ordered if e.ratio is not None),
-        "table_json": _script_json(_table_data(ordered, limits, first_entry)),
-        "map_json": _script_json(_module_map(ordered)),
-        "plotly_js": _plotly_js(),
+        "table_json": script_json(_table_data(ordered, limits, first_entry)),
+        "map_json": script_json(_module_map(ordered)),
+        "plotly_js": plotly_js(),
         "columns": TABLE_COLUMNS,
         "statuses": sorted({e.status for e in report.entries}),
         "phases": [p for p in PHASES if any(e.phase == p for e in ordered)],
@@ -114,7 +115,7 @@ def _first_extra(first: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _environment() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("driftcheck", "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = fmt
@@ -130,7 +131,7 @@ def _wbr(text: Any) -> markupsafe.Markup:
 
 
 @functools.lru_cache(maxsize=1)
-def _plotly_js() -> str:
+def plotly_js() -> str:
     """plotly.js, from the ``plotly`` package (MIT), inlined: the report opens offline."""
     from plotly.offline import get_plotlyjs
 
@@ -142,7 +143,7 @@ def _resource(name: str) -> str:
     return loader.get_source(jinja2.Environment(), name)[0]
 
 
-def _script_json(data: Any) -> str:
+def script_json(data: Any) -> str:
     """JSON safe inside ``<script type="application/json">``: no ``</``, ``<!--`` or line separators."""
     text = json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
@@ -308,7 +309,7 @@ def _meta_rows(report: Report) -> list[dict[str, Any]]:
 def _details(report: Report, first_entry: Entry | None) -> list[dict[str, Any]]:
     chosen = [first_entry] if first_entry is not None else []
     chosen += [e for e in worst(report.entries, DETAIL_COUNT + 1) if e is not first_entry][:DETAIL_COUNT]
-    out = []
+    out: list[dict[str, Any]] = []
     for e in chosen:
         ref, tgt = e.details.get("ref_stats") or {}, e.details.get("tgt_stats") or {}
         limit, rule = entry_limit(e)
@@ -328,7 +329,7 @@ def _details(report: Report, first_entry: Entry | None) -> list[dict[str, Any]]:
 
 # --- charts ---------------------------------------------------------------------------------
 
-def _rc() -> dict[str, Any]:
+def _rc() -> dict[Any, Any]:  # matplotlib types its keys as a Literal of every rc name
     return {"svg.fonttype": "none", "text.parse_math": False, "font.family": "sans-serif",
             "font.size": 9, "axes.spines.top": False, "axes.spines.right": False,
             "axes.edgecolor": "#888888", "axes.labelcolor": "#333333", "xtick.color": "#555555",
@@ -367,11 +368,12 @@ def _histogram_chart(hist: dict[str, Any], floor: float | None, salt: str) -> st
     counts = [as_float(x) or 0.0 for x in hist.get("counts", [])]
     if len(edges) != len(counts) + 1 or not counts or any(x is None or not math.isfinite(x) for x in edges):
         return ""
+    ends = cast(list[float], edges)  # no None among them: checked above
     with matplotlib.rc_context(_rc()):
         fig = Figure(figsize=(4.2, 1.9))
         ax = fig.add_subplot()
-        widths = [b - a for a, b in zip(edges, edges[1:])]
-        ax.bar(edges[:-1], counts, width=widths, align="edge", color="#0072B2", alpha=0.8, lw=0)
+        widths = [b - a for a, b in itertools.pairwise(ends)]
+        ax.bar(ends[:-1], counts, width=widths, align="edge", color="#0072B2", alpha=0.8, lw=0)
         if floor is not None and floor > 0 and math.isfinite(floor):
             ax.axvline(math.log10(floor), color="#D55E00", lw=1.2, ls="--")
             ax.text(math.log10(floor), 1.01, "floor", transform=ax.get_xaxis_transform(), color="#D55E00",

@@ -66,7 +66,7 @@ def render_junit(report: Report) -> str:
     for key, n in counts.items():
         suite.set(key, str(n))
     suite.set("time", "0")
-    root = ET.Element("testsuites", name="driftcheck", **{k: str(v) for k, v in counts.items()}, time="0")
+    root = ET.Element("testsuites", {"name": "driftcheck", **{k: str(v) for k, v in counts.items()}, "time": "0"})
     root.append(suite)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

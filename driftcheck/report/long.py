@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck.report.html import _environment, _plotly_js, _script_json
+from driftcheck.report.html import environment, plotly_js, script_json
 
 
 def side_words(run: dict[str, Any] | None) -> str:
@@ -42,12 +42,12 @@ def render_long_html(rep: Any, full: Any = None) -> str:
             "control_distance": None if rep.control_distance is None else [_num(x) for x in rep.control_distance],
             "band_line": None if band_line is None else [_num(x) for x in band_line],
             "first_bad_step": rep.first_bad_step}
-    return _environment().get_template("long.html.j2").render(
+    return environment().get_template("long.html.j2").render(
         verdict=rep.verdict, passed=bool(rep), model=rep.reference.get("model_id", "?"), steps=rep.steps,
         sentence=rep.sentence, reference=side_words(rep.reference), target=side_words(rep.target),
         control=side_words(rep.control), band=f"{rep.band:g}", first_bad=rep.first_bad_step,
         module=rep.first_bad_module, full=conclusion(full) if full is not None else None,
-        data=_script_json(data), plotly_js=_plotly_js())
+        data=script_json(data), plotly_js=plotly_js())
 
 
 def _num(x: float) -> float | None:

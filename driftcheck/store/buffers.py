@@ -69,7 +69,8 @@ class HostBuffers:
             # forgotten when the memory goes (no lock: a finalizer may run inside give())
             weakref.finalize(memory, self._ours.pop, buf.data_ptr(), None)
         # a tensor of its own over the buffer's storage (a view would hold the buffer as its base)
-        return torch.empty(0, dtype=t.dtype).set_(buf.untyped_storage(), 0, t.shape)
+        return torch.empty(0, dtype=t.dtype).set_(  # type: ignore[call-overload]  # (source, offset, size): no stub
+            buf.untyped_storage(), 0, t.shape)
 
     def give(self, t: torch.Tensor) -> None:
         """``t`` is written and nobody will read it again: where ``t`` is all of its storage and

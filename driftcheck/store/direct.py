@@ -56,7 +56,8 @@ class DirectStage:
         storage = t.untyped_storage()
         if storage.nbytes() - start < rounded:
             return None
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage, start, (rounded,))
+        whole = torch.empty(0, dtype=torch.uint8).set_(  # type: ignore[call-overload]  # (source, offset, size): no stub
+            storage, start, (rounded,))
         return memoryview(whole.numpy())
 
     def write_file(self, path: str | os.PathLike, order: list[tuple[str, torch.Tensor]],

@@ -90,7 +90,7 @@ class FormatError(ValueError):
     """A manifest that does not follow this format."""
 
 
-_ENTRY_FIELDS: dict[str, type | tuple[type, ...]] = {
+_ENTRY_FIELDS: dict[str, type] = {
     "key": str, "module": str, "phase": str, "step": int, "call": int, "slot": str,
     "order": int, "shape": list, "dtype": str, "stats": dict,
 }
@@ -111,9 +111,9 @@ def validate_manifest(m: Any) -> dict[str, Any]:
         raise FormatError(
             f"trace format version {version} is not supported by this driftcheck "
             f"(it reads version {FORMAT_VERSION}); re-record the trace or upgrade driftcheck")
-    for name, typ in (("run", dict), ("entries", list), ("shards", dict)):
-        if not isinstance(m.get(name), typ):
-            raise FormatError(f"manifest field {name!r} is missing or not a {typ.__name__}")
+    for name, kind in (("run", dict), ("entries", list), ("shards", dict)):
+        if not isinstance(m.get(name), kind):
+            raise FormatError(f"manifest field {name!r} is missing or not a {kind.__name__}")
     _check_run(m["run"])
     if m.get("replay") not in (None, REPLAY):
         raise FormatError(f"manifest 'replay' is {m['replay']!r}; a trace's replay file is always "

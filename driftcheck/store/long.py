@@ -73,7 +73,8 @@ class LongReader:
         if manifest.get("version") != fmt.LONG_VERSION:
             raise TraceError(f"{m} has long-trace version {manifest.get('version')!r}; this "
                              f"driftcheck reads version {fmt.LONG_VERSION}")
-        self.run = manifest.get("run") if isinstance(manifest.get("run"), dict) else {}
+        run = manifest.get("run")
+        self.run: dict[str, Any] = run if isinstance(run, dict) else {}
         self.points = [p for p in manifest.get("points", []) if isinstance(p, int)]
         try:
             shard = MappedShard(self.dir / fmt.LONG_COLUMNS, what="long columns")
@@ -138,7 +139,7 @@ def _groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Optimizer param groups as JSON-able values (betas tuples, tensors of a capturable lr)."""
     out = []
     for g in groups:
-        clean = {}
+        clean: dict[str, Any] = {}
         for k, v in g.items():
             if isinstance(v, torch.Tensor):
                 v = v.item() if v.numel() == 1 else v.tolist()

@@ -110,9 +110,9 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (through numpy where it has the
     dtype: cheaper than torch's reshape and view for the many small tensors of a shard)."""
     try:
-        return memoryview(t.numpy()).cast("B")
+        return t.numpy().data.cast("B")
     except (TypeError, RuntimeError):  # bfloat16, fp8: no numpy dtype
-        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def json_default(o: Any) -> Any:
@@ -160,7 +160,7 @@ class MappedShard:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError):
                 raise TraceError(f"{what} {path} has an unreadable safetensors header") from None
-            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # size >= 10: checked above
         if not isinstance(header, dict):
             raise TraceError(f"{what} {path} has an unreadable safetensors header")
         base = 8 + n

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.nested import substitute
+from driftcheck.nested import flatten, substitute
 from driftcheck.numerics import dtypes
 
 __all__ = ["Fault", "fp8_matmul", "low_precision_reduction", "offset_output", "other_dropout_mask",
@@ -148,7 +148,7 @@ def fp8_matmul(module: str, dtype: torch.dtype = torch.float8_e4m3fn) -> Fault:
     return Fault("fp8_matmul", module, {"dtype": str(dtype).replace("torch.", "")}, wrap)
 
 
-def _seq_sum(x: torch.Tensor, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def sequential_sum(x: torch.Tensor, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Sum over ``dims`` one element at a time, rounding the running sum to ``dtype`` after every
     addition (a kernel without a wide accumulator). Returns the reduced shape with keepdim."""
     dims = tuple(sorted(d % x.dim() for d in dims))
@@ -174,7 +174,7 @@ class _LowPrecisionReductions(TorchFunctionMode):
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             prod = x.unsqueeze(-2) * w  # (..., out, in): products are exact enough in fp32
-            y = _seq_sum(prod, (-1,), d).squeeze(-1).to(x.dtype)
+            y = sequential_sum(prod, (-1,), d).squeeze(-1).to(x.dtype)
             return y + b if b is not None else y
         if "mean" in self.ops and func in (torch.mean, torch.Tensor.mean) and args:
             x = args[0]
@@ -182,13 +182,13 @@ class _LowPrecisionReductions(TorchFunctionMode):
             keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
             dims = tuple(range(x.dim())) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
             n = math.prod(x.shape[i] for i in dims)
-            out = (_seq_sum(x, dims, d) / n).to(x.dtype)
+            out = (sequential_sum(x, dims, d) / n).to(x.dtype)
             return out if keepdim else out.squeeze(dims)
         if "softmax" in self.ops and func in (torch.softmax, torch.Tensor.softmax, F.softmax):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
             e = (x - x.amax(dim, keepdim=True)).exp()
-            return (e / _seq_sum(e, (dim,), d).to(e.dtype)).to(x.dtype)
+            return (e / sequential_sum(e, (dim,), d).to(e.dtype)).to(x.dtype)
         if "layer_norm" in self.ops and func is F.layer_norm:
             x, shape = args[0], args[1]
             w = args[2] if len(args) > 2 else kwargs.get("weight")
@@ -196,8 +196,8 @@ class _LowPrecisionReductions(TorchFunctionMode):
             eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
             dims = tuple(range(x.dim() - len(shape), x.dim()))
             n = math.prod(shape)
-            mean = (_seq_sum(x, dims, d) / n).to(x.dtype)
-            var = (_seq_sum((x - mean) ** 2, dims, d) / n).to(x.dtype)
+            mean = (sequential_sum(x, dims, d) / n).to(x.dtype)
+            var = (sequential_sum((x - mean) ** 2, dims, d) / n).to(x.dtype)
             y = (x - mean) * torch.rsqrt(var + eps)
             return y * w + b if w is not None else y
         if "batch_norm" in self.ops and func is F.batch_norm:
@@ -209,8 +209,8 @@ class _LowPrecisionReductions(TorchFunctionMode):
             x = a["input"]
             dims = tuple(i for i in range(x.dim()) if i != 1)
             n = math.prod(x.shape[i] for i in dims)
-            mean = (_seq_sum(x, dims, d) / n).to(x.dtype)
-            var = (_seq_sum((x - mean) ** 2, dims, d) / n).to(x.dtype)
+            mean = (sequential_sum(x, dims, d) / n).to(x.dtype)
+            var = (sequential_sum((x - mean) ** 2, dims, d) / n).to(x.dtype)
             shape = [1, -1] + [1] * (x.dim() - 2)
             y = (x - mean) * torch.rsqrt(var + a.get("eps", 1e-5))
             w, b = a.get("weight"), a.get("bias")
@@ -353,9 +353,7 @@ class _StochasticRounding(TorchDispatchMode):
 
 
 def _tensors(obj: Any, kwargs: dict | None) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    substitute((obj, kwargs or {}), "x", lambda _, t: found.append(t) or t)
-    return found
+    return [t for _, t in flatten((obj, kwargs or {}), "x")]
 
 
 def stochastic_rounding(seed: int = 0) -> TorchDispatchMode:
@@ -370,7 +368,8 @@ class starting_at:
     record_long(), which call ``set_step`` with each step's number."""
 
     def __init__(self, fault: Fault, step: int) -> None:
-        self.fault, self.step, self.model, self.on = fault, step, None, False
+        self.fault, self.step, self.on = fault, step, False
+        self.model: nn.Module | None = None
 
     def __call__(self, model: nn.Module) -> starting_at:
         self.model = model

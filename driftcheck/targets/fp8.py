@@ -306,7 +306,7 @@ class Fp8Handle:
 
         forward._driftcheck_fp8 = True  # type: ignore[attr-defined]
         # An instance attribute: the module object, its name and its hooks stay as they were.
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]  # on purpose
         self._patched.append(module)
         self.modules.append(path)
 

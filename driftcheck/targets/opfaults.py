@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.targets.faults import _seq_sum
+from driftcheck.targets.faults import sequential_sum
 
 __all__ = [
     "FACTORIES",
@@ -199,7 +199,7 @@ def low_precision_sum(module: str | None = None, dtype: torch.dtype = torch.bflo
         keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
         dims = tuple(range(x.dim())) if dim in (None, []) else \
             ((dim,) if isinstance(dim, int) else tuple(dim))
-        out = _seq_sum(x, dims, dtype).to(x.dtype)
+        out = sequential_sum(x, dims, dtype).to(x.dtype)
         if func.overloadpacket.__name__ == "mean":
             out = out / math.prod(x.shape[d] for d in dims)
         return out if keep else out.squeeze(tuple(d % x.dim() for d in dims))

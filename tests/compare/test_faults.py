@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.loader import load_scenario
 from driftcheck.record.runner import record
+from driftcheck.targets import faults
 
 MODELS = ("mlp", "resnet", "llama", "vit")
 
@@ -159,8 +159,8 @@ def test_unknown_module_is_a_user_error():
 def test_sequential_bf16_sum_loses_what_an_fp32_accumulator_keeps():
     x = torch.full((1, 512), 1.0)
     # 256 + 1 is not representable in bf16: a bf16 running sum stalls at 256.
-    assert faults._seq_sum(x, (-1,), torch.bfloat16).item() == 256.0
-    assert faults._seq_sum(x, (-1,), torch.float32).item() == 512.0
+    assert faults.sequential_sum(x, (-1,), torch.bfloat16).item() == 256.0
+    assert faults.sequential_sum(x, (-1,), torch.float32).item() == 512.0
 
 
 def test_stochastic_rounding_moves_values_by_at_most_one_ulp_and_leaves_copies_alone():

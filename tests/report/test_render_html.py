@@ -7,11 +7,19 @@ import time
 from html.parser import HTMLParser
 
 import pytest
+from conftest_report import (
+    DIVERGING,
+    HOSTILE_NAMES,
+    big_report,
+    failing_report,
+    hostile_report,
+    passing_report,
+    rejudged,
+)
 
-from conftest_report import DIVERGING, HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report, rejudged
-from driftcheck.report.common import execution_order
-from driftcheck.report.html import _plotly_js, render_html
 from driftcheck.gate.report import Report
+from driftcheck.report.common import execution_order
+from driftcheck.report.html import plotly_js, render_html
 
 
 class Page(HTMLParser):
@@ -79,8 +87,8 @@ def test_self_contained(fail_html: str, fail_page: Page) -> None:
     # plotly.js is inlined whole (its source names URLs that only map traces would fetch, and
     # the page's CSP forbids any fetch); everywhere else the only absolute URLs allowed are XML
     # namespace names, which are never fetched.
-    assert fail_html.count(_plotly_js()) == 1
-    own = fail_html.replace(_plotly_js(), "")
+    assert fail_html.count(plotly_js()) == 1
+    own = fail_html.replace(plotly_js(), "")
     for match in re.finditer(r"(?:https?:)?//[\w.-]+", own):
         before = own[max(0, match.start() - 20):match.start()]
         assert re.search(r'xmlns(:\w+)?="$', before), own[match.start() - 40:match.end() + 20]
@@ -229,7 +237,7 @@ def test_thousands_of_entries_stay_small_and_fast() -> None:
     html = render_html(report)
     elapsed = time.perf_counter() - start
     assert elapsed < 20, elapsed
-    own = len(html) - len(_plotly_js())  # plotly.js is ~4.8 MB whatever the report
+    own = len(html) - len(plotly_js())  # plotly.js is ~4.8 MB whatever the report
     assert own / len(report.entries) < 260, own / len(report.entries)
     worst = max(report.entries, key=lambda e: e.ratio)
     assert len(Page(html).table_data()["rows"]) == len(report.entries)
