@@ -18,7 +18,7 @@ from typing import Any
 
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.findings import FindingLog
-from driftcheck.compare.index import Call, DependencyIndex
+from driftcheck.compare.index import Call, DependencyIndex, call_of
 from driftcheck.compare.inheritance import identical
 from driftcheck.compare.propagation import Ledger
 from driftcheck.gate.report import DRIFT, IGNORED, OK, Entry, Finding
@@ -37,7 +37,8 @@ def flip_scope(r: TraceEntry) -> str:
     returned it, or the module whose code passed it to a child."""
     if r.slot_is("output"):
         return r.module.rpartition(".")[0]
-    return (r.meta.get("parent") or "").rpartition("#")[0]
+    parent = r.meta.get("parent")
+    return call_of(r.step, parent).module if parent else ""
 
 
 def _one_dim_differs(a: list[int], b: list[int]) -> bool:

@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
+from conftest import BUILTINS, a_middle_linear, record_builtin
 from torch import nn
 
-from driftcheck.targets import faults
 from driftcheck.compare import compare
-from driftcheck.loader import load_scenario
 from driftcheck.gate.report import Report
-
-from conftest import BUILTINS, a_middle_linear, record_builtin
+from driftcheck.loader import load_scenario
+from driftcheck.targets import faults
 
 
 def scale_output(name: str, s: float):
@@ -116,7 +115,7 @@ def test_integer_tensor_mismatch_is_exact(tmp_path):
 
 def test_worst_entries_carry_error_histograms(traces, tmp_path):
     """The HTML report's detail sections need the error histogram of the entries shown."""
-    mod, rep = fault_report(traces, "llama", tmp_path, lambda m: scale_output(m, 1.05))
+    _mod, rep = fault_report(traces, "llama", tmp_path, lambda m: scale_output(m, 1.05))
     first = next(e for e in rep.entries if e.key == rep.first_divergence["key"])
     with_hist = [e for e in rep.entries if "histogram" in e.details]
     assert first in with_hist and 2 <= len(with_hist) <= 9
@@ -154,7 +153,7 @@ def test_large_tensors_measured_in_parts_on_two_workers_match_one_stream(traces,
     import driftcheck.compare.measure as measure
     from driftcheck.store import TraceReader
 
-    mod, _ = fault_report(traces, "llama", tmp_path, lambda m: scale_output(m, 1.05))
+    _mod, _ = fault_report(traces, "llama", tmp_path, lambda m: scale_output(m, 1.05))
     ref, tgt = TraceReader(traces["llama"]["fp32"]), TraceReader(tmp_path / "t")
     one = cmp.Comparison(ref, tgt, chunk_elems=256, workers=1).run()
     monkeypatch.setattr(measure, "PART_ELEMS", 1000)
@@ -212,7 +211,7 @@ def test_parameter_gradients_allow_for_their_summation_order(tmp_path):
     assert rep.verdict == "pass", rep.first_divergence
     gout = next(e for e in TraceReader(ref).entries
                 if e["key"] == "0/backward/layer1.conv2/0/grad_output")
-    n, c, h, w = gout["shape"]
+    n, _c, h, w = gout["shape"]
     grad = next(e for e in rep.entries if e.key == "0/grads/layer1.conv2/0/param.weight")
     assert grad.details["floor"]["k"] == n * h * w
 
@@ -329,7 +328,7 @@ def test_ignored_entries_and_their_reasons_are_in_the_verdict(traces, tmp_path):
     from driftcheck.report.junit import render_junit
     from driftcheck.report.markdown import render_markdown
 
-    mod, failed = fault_report(traces, "mlp", tmp_path, lambda m: scale_output(m, 1.5))
+    mod, _failed = fault_report(traces, "mlp", tmp_path, lambda m: scale_output(m, 1.5))
     policy = Policy.from_mapping({"ignore": [{"glob": mod, "reason": "rewritten kernel, issue #42"}]})
     rep = compare(traces["mlp"]["fp32"], tmp_path / "t", policy=policy)
     ignored = [e for e in rep.entries if e.status == "ignored"]

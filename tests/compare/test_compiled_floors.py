@@ -9,8 +9,8 @@ from torch import nn
 
 from driftcheck import Scenario
 from driftcheck.compare import compare
-from driftcheck.targets.faults import scale_output
 from driftcheck.record.runner import record
+from driftcheck.targets.faults import scale_output
 
 
 # -- a norm computed by its module's own code, then handed to a child (timm's BatchNormAct2d) ------

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_floor_classes import _pair, _worst
 from torch import nn
 
 from driftcheck import Scenario
-from driftcheck.targets.faults import scale_output
 from driftcheck.record.watch import decision_profile
-
-from test_floor_classes import _pair, _worst  # noqa: E402  (the same protocol)
+from driftcheck.targets.faults import scale_output
 
 
 def test_decision_profile_counts_margins():
@@ -108,7 +107,7 @@ def test_a_shape_change_without_a_flip_still_fails(tmp_path):
         seq = model.moe.experts[2]
         fwd = seq.forward
         seq.forward = lambda x: fwd(x[:-1]) if x.shape[0] > 1 else fwd(x)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (the target fails in the model's own code, any error)
         _pair(tmp_path, _moe, dtype="fp32", local=False, hooks=wrong)
 
 
@@ -325,7 +324,7 @@ class _Boxes(nn.Module):
 def _matched_loss(out, batch):
     from scipy.optimize import linear_sum_assignment
 
-    x, target = batch
+    _x, target = batch
     loss = out.new_zeros(())
     for b in range(out.shape[0]):  # Hungarian matching on the host, as transformers' DETR loss
         with torch.no_grad():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftcheck.targets import faults
 from driftcheck.cli import main
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.loader import load_scenario
-from driftcheck.store import TraceReader
 from driftcheck.record.runner import record
+from driftcheck.store import TraceReader
+from driftcheck.targets import faults
 
 
 def _by_key(path):

@@ -13,8 +13,8 @@ from torch import nn
 
 from driftcheck import Scenario
 from driftcheck.compare import compare
-from driftcheck.targets.faults import scale_output
 from driftcheck.record.runner import record
+from driftcheck.targets.faults import scale_output
 
 
 def _scenario(model_fn, shape, loss=None, steps: int = 2, seed: int = 0, ints: int | None = None) -> Scenario:
@@ -154,7 +154,7 @@ def test_parameters_of_a_module_that_never_runs(tmp_path, fault):
     """Their gradients have no output gradient of their own module to size their terms by: the
     key bias's (pure cancellation) was judged at its own tiny rms, 3e5 on a clean bf16 hf_wavlm.
     Now it is judged at its siblings' scale; a value bias 5% too large on the target still fails."""
-    make = lambda: _scenario(_FunctionalAttention, (8, 12, 16))  # noqa: E731
+    make = lambda: _scenario(_FunctionalAttention, (8, 12, 16))
     def wrong(model):
         model.v_scale = 1.05
     rep = _pair(tmp_path, make, local=False, dtype="fp32" if fault else "bf16",
@@ -790,7 +790,7 @@ class _WeightNormConv(nn.Module):
 
 @pytest.mark.parametrize("fault", [False, True])
 def test_weight_norm_has_its_reduction_length(tmp_path, fault):
-    make = lambda: _scenario(_WeightNormConv, (2, 64, 48))  # noqa: E731
+    make = lambda: _scenario(_WeightNormConv, (2, 64, 48))
     wn = "conv.parametrizations.weight.0"
     rep = _pair(tmp_path, make, threads=(1, 2), local=True,
                 hooks=scale_output(wn, 1.0 + 1e-4) if fault else None)
@@ -828,7 +828,7 @@ class _SqueezeExcite(nn.Module):
 
 @pytest.mark.parametrize("fault", [False, True])
 def test_gradients_before_a_norm_over_two_values(tmp_path, fault):
-    make = lambda: _scenario(_SqueezeExcite, (2, 3, 8, 8))  # noqa: E731
+    make = lambda: _scenario(_SqueezeExcite, (2, 3, 8, 8))
     if fault:  # the conv after the pool, 5% off, fp32: still caught there
         rep = _pair(tmp_path, make, dtype="fp32", local=False, hooks=scale_output("fc2", 1.05))
         assert rep.verdict == "fail" and rep.first_divergence["module"] == "fc2", rep.first_divergence
@@ -953,7 +953,7 @@ class _AutocastNorm(nn.Module):
 def test_norm_weight_gradient_summed_in_its_output_gradients_dtype(tmp_path, mode):
     """The loss (mean of squares) makes each channel's 512 terms g * xhat of one sign: a bf16
     sum of them is off by ~sqrt(512) u_bf16 of its value (timm_coatnet, timm_swinv2: 5-6)."""
-    make = lambda: _scenario(_AutocastNorm, (2, 256, 16))  # noqa: E731
+    make = lambda: _scenario(_AutocastNorm, (2, 256, 16))
     ref = record(make(), tmp_path / "ref", force=True)
     ref_m = ref if mode == "full" else record(make(), tmp_path / "rs", force=True, replay=ref, mode=mode)
     tgt = record(make(), tmp_path / "t", force=True, replay=ref, mode=mode, autocast="bf16")
@@ -1007,7 +1007,7 @@ def test_norm_bias_summed_in_bf16_is_allowed_its_worst_case_from_samples(tmp_pat
     """A bf16 sum of 2048 same-sign terms stagnates (50% here; timm_coatnet: 30% over 512 at
     ratio 3.85 in stats mode). Full mode measures the kernel's own sum; from samples the floor
     allows the worst case K u |sum| that full mode clips its measurement to."""
-    make = lambda: _scenario(_OffsetNorm, (2, 1024, 16))  # noqa: E731
+    make = lambda: _scenario(_OffsetNorm, (2, 1024, 16))
     ref = record(make(), tmp_path / "ref", force=True)
     rs = record(make(), tmp_path / "rs", force=True, replay=ref, mode="stats")
     rep = compare(rs, record(make(), tmp_path / "t", force=True, replay=ref, mode="stats", autocast="bf16"))
@@ -1039,7 +1039,7 @@ class _HardStem(nn.Module):
 
 @pytest.mark.parametrize("fault", [False, True])
 def test_slope_kink_flips_from_samples_under_local_replay(tmp_path, fault):
-    make = lambda: _scenario(_HardStem, (2, 3, 32, 32), seed=1)  # noqa: E731
+    make = lambda: _scenario(_HardStem, (2, 3, 32, 32), seed=1)
     if fault:
         rep = _pair(tmp_path, make, dtype="fp32", mode="stats", hooks=scale_output("c1", 1.05))
         assert rep.verdict == "fail" and rep.first_divergence["module"] == "c1", rep.first_divergence
@@ -1068,7 +1068,7 @@ class _TinyToken(nn.Module):
 
 @pytest.mark.parametrize("fault", [False, True])
 def test_norm_propagates_its_input_error_by_group(tmp_path, fault):
-    make = lambda: _scenario(_TinyToken, (2, 6, 8))  # noqa: E731
+    make = lambda: _scenario(_TinyToken, (2, 6, 8))
     if fault:  # the norm itself 5% off, fp32: still caught there with the tighter estimate
         rep = _pair(tmp_path, make, dtype="fp32", local=False, hooks=scale_output("norm", 1.05))
         assert rep.verdict == "fail" and rep.first_divergence["module"] == "norm", rep.first_divergence
@@ -1086,7 +1086,7 @@ def test_a_norm_layout_that_does_not_fit_is_refused_or_ignored(tmp_path):
 
     from driftcheck.errors import DriftcheckError
 
-    make = lambda: _scenario(_TinyToken, (2, 6, 8))  # noqa: E731
+    make = lambda: _scenario(_TinyToken, (2, 6, 8))
     ref = record(make(), tmp_path / "ref", force=True)
     tgt = record(make(), tmp_path / "tgt", dtype="bf16", replay=ref, force=True)
     path = ref / "manifest.json"

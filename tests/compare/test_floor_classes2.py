@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_floor_classes import _pair, _worst
 from torch import nn
 
 from driftcheck import Scenario
 from driftcheck.compare import compare
 from driftcheck.compare.norms import group_length
-from driftcheck.targets.faults import scale_output
 from driftcheck.record.runner import record
-from test_floor_classes import _pair, _worst  # noqa: F401  (the same protocol)
+from driftcheck.targets.faults import scale_output
 
 
 def _scenario(model_fn, inputs_fn, loss, steps: int = 2, seed: int = 0, lr: float = 1e-3) -> Scenario:
@@ -217,7 +217,7 @@ class _CancellingBlock(nn.Module):
 
 
 def _skip(seed=0):
-    net = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _CancellingBlock(),  # noqa: E731
+    net = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _CancellingBlock(),
                                 nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
     return _scenario(net, lambda g: torch.randn(2, 3, 8, 8, generator=g), lambda out, b: out.pow(2).mean(),
                      seed=seed)

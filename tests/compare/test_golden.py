@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import BUILTINS, record_builtin
 
 from driftcheck.compare import compare
 from driftcheck.store import TraceReader
-
-from conftest import BUILTINS, record_builtin
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden"
 
@@ -27,6 +26,7 @@ def test_rerecord_matches_golden(name, tmp_path):
 
 def test_golden_catches_a_changed_model(tmp_path):
     from conftest import a_middle_linear
+
     from driftcheck.targets.faults import scale_output
 
     golden = GOLDEN / "llama"
