@@ -9,6 +9,7 @@ flips counted (kinks.py) and sparse errors passed on in stats mode; the second o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,22 @@ from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, En
 from driftcheck.numerics import dtypes, floor as fl, metrics as mx
 
 FLIPS_EXPECTED = 0.5  # kink flips a gradient is expected to hold from which one is allowed its max
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measured pair being judged: the entries, their metrics and size, the policy's word."""
+
+    r: TraceEntry  # the reference's entry
+    t: TraceEntry  # the target's
+    m: dict[str, Any]  # the measured metrics
+    how: str  # what they were measured on: "full", "sample" or "stats"
+    scale: Scale
+    base: dict[str, Any]  # the report Entry's identity fields and limit
+    details: dict[str, Any]  # the report Entry's details, filled as judged
+    limit: float
+    rule: str
+    ignore: str | None  # the policy's ignore reason, if any
 
 
 class Judge:
@@ -76,7 +93,7 @@ class Judge:
         ignore = self.policy.ignore_reason(r.module, r.phase, r.step)
         if not dtypes.is_float(r.dtype):
             return self.decisions.judge_integer(r, m, base, details, ignore)
-        return self.judge_float(r, t, m, how, scale, base, details, (limit, rule, ignore))
+        return self.judge_float(Case(r, t, m, how, scale, base, details, limit, rule, ignore))
 
     def misaligned(self, r: TraceEntry, t: TraceEntry, base: dict[str, Any], rule: str) -> Entry | None:
         """A pair of other shapes or kinds (or None): what depends on it inherits a full error;
@@ -140,10 +157,9 @@ class Judge:
             e = errors[a]
             errors[a] = e._replace(rel_rms=max(e.rel_rms, w_rms), rel_max=max(e.rel_max, w_max))
 
-    def judge_float(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], how: str, scale: Scale,
-                    base: dict[str, Any], details: dict[str, Any],
-                    rules: tuple[float, str, str | None]) -> Entry:
+    def judge_float(self, c: Case) -> Entry:
         """A float entry against its floor (the module docstring's pipeline)."""
+        r, t, m, how, scale, details = c.r, c.t, c.m, c.how, c.scale, c.details
         deps = self.index.dependencies(r)
         inh = [self.ledger.errors.get(d.align, NONE) for d in deps]
         inh_rms, inh_max = self.inheritance.inherited(Inherit(r, how, deps, inh, scale, details))
@@ -165,10 +181,10 @@ class Judge:
         f = fl.floor(fi)
         if r.phase == "optimizer":
             self.ledger.floors[r.align] = (f.rms, f.max)
-        judged = self.flips_judged(r, t, m, how, f)
+        judged = self.flips_judged(c, f)
         ratio = f.ratio(judged.get("rms", 0.0), judged.get("max_abs", 0.0))
         if how != "full":
-            self.pass_on_sparse(r, judged, inh, flipped, scale.ref_rms, details)
+            self.pass_on_sparse(c, judged, inh, flipped)
         if judged is not m:
             details["kink_flips"] = judged["kink_flips"]
             if judged["kink_flips"]["unexplained"]:
@@ -179,7 +195,7 @@ class Judge:
                          "scale_rms": scale.rms, "inherited_rel": inh_rms}
         if logits > 1.0:
             details_floor["softmax_logit_max"] = logits
-        return self.decide(r, t, m, fi, f.rms, ratio, base, details, rules, details_floor, deps)
+        return self.decide(c, fi, f.rms, ratio, details_floor, deps)
 
     def terms(self, r: TraceEntry) -> int | None:
         """K, the terms the entry's own sum adds (the floor's accumulation growth sqrt(K))."""
@@ -191,21 +207,21 @@ class Judge:
             k = r.meta.get("k") or self.norms.k(r)
         return k
 
-    def flips_judged(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], how: str,
-                     f: fl.Floor) -> dict[str, Any]:
+    def flips_judged(self, c: Case, f: fl.Floor) -> dict[str, Any]:
         """The metrics judged: kink flips counted out of a gradient over its floor. A kink
         inside the module (nn.ReLU) shows in its input gradient; one applied to its output by
         the code around it (F.relu, x.relu() between two Linears) in its output's."""
+        r, t, m, how = c.r, c.t, c.m, c.how
         if how in ("full", "sample") and r.phase == "backward" and r.slot_is("grad_input", "grad_output") \
                 and f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0)) > 1.0:
             return self.kinks.flips(r, t, m, f.max, "tensor" if how == "full" else "sample")
         return m
 
-    def pass_on_sparse(self, r: TraceEntry, judged: dict[str, Any], inh: list[Propagated], flipped: float,
-                       ref_rms: float, details: dict[str, Any]) -> None:
+    def pass_on_sparse(self, c: Case, judged: dict[str, Any], inh: list[Propagated], flipped: float) -> None:
         """Sparse errors (kink flips) that a sample rarely holds: estimated where they enter,
         then passed on to everything measured on samples downstream, as measured errors are in
         full mode (a layer's gradient sums over the flips of the one above)."""
+        r, details = c.r, c.details
         sparse = max(max((x.sparse for x in inh), default=0.0), flipped)
         flip_max = max((x.sparse_max for x in inh), default=0.0)
         if r.phase == "backward" and r.slot_is("grad_input", "grad_output"):
@@ -221,7 +237,7 @@ class Judge:
                     # 26% of the gradient's absmax, its conv's input gradient at 5.1).
                     flip_max = max(flip_max, fl.relative(rms_of(r.stats), r.stats.get("absmax") or 0.0))
         if r.phase == "optimizer" and r.slot_is("param"):
-            signs = self.scales.update_sign_flips(r, ref_rms)
+            signs = self.scales.update_sign_flips(r, c.scale.ref_rms)
             if signs:
                 details["update_flip_estimate"] = signs
                 sparse = max(sparse, signs)
@@ -231,12 +247,11 @@ class Judge:
                                                      rel_max=max(e.rel_max, sparse, flip_max), sparse=sparse,
                                                      sparse_max=flip_max)
 
-    def decide(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], fi: fl.FloorInputs, floor: float,
-               ratio: float, base: dict[str, Any], details: dict[str, Any], rules: tuple[float, str, str | None],
+    def decide(self, c: Case, fi: fl.FloorInputs, floor: float, ratio: float,
                details_floor: dict[str, Any], deps: list[TraceEntry]) -> Entry:
         """The entry's status: over the limit (the analytic ratio, or the truth run's where more
         lenient), or its module's own error over it (the local replay); ignored by the policy."""
-        limit, rule, ignore = rules
+        r, t, m, details, limit, ignore = c.r, c.t, c.m, c.details, c.limit, c.ignore
         decided_by = "analytic"
         truth = self.opinions.truth_run(r, t, fi, limit)
         if truth is not None:
@@ -260,6 +275,6 @@ class Judge:
             status = OK
         if ignore and status != OK:
             status = IGNORED
-        return Entry(**base, metrics=m, floor=floor, ratio=ratio, status=status,
+        return Entry(**c.base, metrics=m, floor=floor, ratio=ratio, status=status,
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
-                     rule=ignore or rule, details=details)
+                     rule=ignore or c.rule, details=details)

@@ -258,3 +258,14 @@ def test_verdict_passes_within_the_limit_and_names_the_first_divergence():
     assert bad.verdict == "fail" and bad.first_divergence is not None
     assert bad.first_divergence["key"] == "0/forward/m/0/output.1" and bad.warnings == ["w"]
     assert bad.first_divergence["where"] == "in the forward of m"
+
+
+def test_the_local_floor_is_the_floor_without_what_is_inherited():
+    from driftcheck.compare.opinions import local_floor
+    from driftcheck.numerics import floor as fl
+
+    fi = fl.FloorInputs(u=2.0 ** -8, scale_rms=1.0, scale_max=2.0, k=64, u_acc=2.0 ** -24,
+                        inherited_rms=0.5, inherited_max=0.5, extra_rms=0.01)
+    own = fl.floor(fl.FloorInputs(u=2.0 ** -8, scale_rms=1.0, scale_max=2.0, k=64, u_acc=2.0 ** -24,
+                                  extra_rms=0.01))
+    assert local_floor(fi) == own and local_floor(fi).rms < fl.floor(fi).rms
