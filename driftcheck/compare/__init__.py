@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from driftcheck.compare.alignment import Alignment, check_runs
 from driftcheck.compare.allowances import Allowances
@@ -31,11 +30,12 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.gate.policy import Policy
 from driftcheck.gate.report import IGNORED, Entry, Report
 from driftcheck.gate.signatures import attach
+from driftcheck.store.keys import TraceKey
 from driftcheck.store.reader import TraceReader
 
 __all__ = ["Comparison", "compare"]
 
-Whole = Mapping[tuple[Any, ...], tuple[float, float]]
+Whole = Mapping[TraceKey, tuple[float, float]]  # align key -> (rel rms, rel max) of a whole tensor
 
 
 class Comparison:
@@ -75,7 +75,7 @@ class Comparison:
         self.progress.start(2 * len(pairs))
         self.measurer.measure_all(pairs)
         self.progress.done = len(pairs)
-        judge = self.judge(alignment)
+        judge = self.build_judge(alignment)
         entries = self.judge_all(judge, alignment)
         attach_histograms(entries, judge.histograms)
         findings.of_traces(self.ledger.errors)
@@ -87,7 +87,7 @@ class Comparison:
         attach(report)  # the known defects its findings show (the drill adds the op-level ones)
         return report
 
-    def judge(self, alignment: Alignment) -> Judge:
+    def build_judge(self, alignment: Alignment) -> Judge:
         """The judge of this comparison, and the parts it judges with, wired."""
         index, tgt_map, ledger, findings = alignment.index, alignment.tgt_map, self.ledger, self.findings
         roundoff = Roundoff(index, tgt_map, self.ref.run, self.tgt.run)

@@ -31,6 +31,7 @@ from driftcheck.compare.scale import Scales
 from driftcheck.gate.policy import Policy
 from driftcheck.gate.report import DRIFT, IGNORED, MISALIGNED, NONFINITE, OK, Entry, Finding
 from driftcheck.numerics import dtypes, floor as fl, metrics as mx
+from driftcheck.store.keys import TraceKey
 
 FLIPS_EXPECTED = 0.5  # kink flips a gradient is expected to hold from which one is allowed its max
 
@@ -59,7 +60,7 @@ class Judge:
                  ledger: Ledger, findings: FindingLog, measurer: Measurer, roundoff: Roundoff,
                  magnitudes: Magnitudes, norms: Norms, kinks: Kinks, decisions: Decisions,
                  scales: Scales, inheritance: Inheritance, allowances: Allowances, opinions: Opinions,
-                 whole: Mapping[tuple[Any, ...], tuple[float, float]] | None = None) -> None:
+                 whole: Mapping[TraceKey, tuple[float, float]] | None = None) -> None:
         self.policy, self.limit_override = policy, limit_override
         self.index, self.ledger, self.findings = alignment.index, ledger, findings
         self.measurer, self.roundoff, self.magnitudes, self.norms = measurer, roundoff, magnitudes, norms

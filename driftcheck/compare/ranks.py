@@ -9,6 +9,7 @@ from typing import Any
 from driftcheck.errors import DriftcheckError
 from driftcheck.gate.report import Report
 from driftcheck.store import format as fmt
+from driftcheck.store.keys import TraceKey
 from driftcheck.store.layout import rank_dir, rank_dirs
 
 
@@ -64,7 +65,7 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
                   warnings=warnings, truth=base.truth, policy=base.policy)
 
 
-def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[tuple, tuple[float, float]]:
+def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[TraceKey, tuple[float, float]]:
     """(rel rms, rel max) of every whole tensor the ranks record shards of (FSDP parameters,
     gradients, optimizer state: meta ``shard``), by align key: the error of the tensor a module
     computes with. One rank's shard alone can miss it: the rows another rank updates may carry
@@ -74,7 +75,7 @@ def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[tuple, tupl
     from driftcheck.compare.entries import entries_of
     from driftcheck.store.reader import TraceReader
 
-    sums: dict[tuple, list[float]] = {}  # align -> [sum d^2, sum r^2, max |d|, max |r|]
+    sums: dict[TraceKey, list[float]] = {}  # align -> [sum d^2, sum r^2, max |d|, max |r|]
     for rank in refs:
         ref, tgt = TraceReader(refs[rank]), TraceReader(tgts[rank])
         tgt_by = {e.align: e for e in entries_of(tgt)}
