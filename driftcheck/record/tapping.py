@@ -14,6 +14,7 @@ from driftcheck.record import compilation, taps
 from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.capture import Capture
 from driftcheck.record.taps import positional, uninstall, unregister
+from driftcheck.store.keys import slot_kind
 
 Pairs = list[tuple[str, torch.Tensor]]
 Alias = tuple[str, int, str, Any]  # (module, call, slot, meta) of an enclosing call's gradient
@@ -130,8 +131,8 @@ class GraphTaps:
         with torch.no_grad(), torch._C.DisableTorchFunction():
             if where == "pre":
                 return self.enter(name, module, positional(pairs), {}, pairs, compiled=True)
-            inputs = [(s, t) for s, t in pairs if s.startswith("input")]
-            outputs = [(s, t) for s, t in pairs if not s.startswith("input")]
+            inputs = [(s, t) for s, t in pairs if slot_kind(s) == "input"]
+            outputs = [(s, t) for s, t in pairs if slot_kind(s) != "input"]
             return self.leave(name, module, positional(inputs), {}, outputs, compiled=True)
 
     def on_grad_tap(self, name: str, call: int, slot: str, grad: torch.Tensor) -> None:

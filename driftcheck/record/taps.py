@@ -33,6 +33,7 @@ from torch import nn
 
 from driftcheck.nested import flatten
 from driftcheck.record import regroup
+from driftcheck.store.keys import Slot
 
 SEP = "\n"  # slot names travel as one string (a custom op takes no list of strings)
 _TRACERS: dict[int, Any] = {}  # tracer id -> the tracer (weakly: a dropped tracer taps nothing)
@@ -352,8 +353,8 @@ def positional(pairs: list[tuple[str, torch.Tensor]]) -> tuple:
     """The call's positional tensor arguments, rebuilt from tapped slots ("input.0", ...)."""
     out: list[torch.Tensor] = []
     for slot, t in pairs:
-        rest = slot[6:] if slot.startswith("input.") else ""
-        if rest.isdigit() and int(rest) == len(out):
+        s = Slot.parse(slot)
+        if s.kind == "input" and s.path.isdigit() and int(s.path) == len(out):
             out.append(t)
     return tuple(out)
 
