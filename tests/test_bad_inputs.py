@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -22,7 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
 UPDATE_DOCS = os.environ.get("DRIFTCHECK_UPDATE_DOCS") == "1"
 
-from conftest import assert_not_complete, assert_one_line_error, record_trace, run_cli, write_scenarios
+from conftest import (  # noqa: E402  (tests/ on the path: pytest's rootdir conftest)
+    assert_not_complete,
+    assert_one_line_error,
+    record_trace,
+    run_cli,
+    write_scenarios,
+)
 
 
 def record_ref_and_bf16(scen_fn: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> tuple[Path, Path]:
@@ -557,7 +563,7 @@ def test_catalogue(case: Case, env2, tmp_path, capsys):
     if case.mutate is not None:
         case.mutate(copy)
     args = (case.args or _cmp)(env2, copy)
-    code, out, err = run_cli(args, capsys)
+    code, _out, err = run_cli(args, capsys)
     line = assert_one_line_error(code, err, case.needle)
     msg = _normalise(line, env2, copy)
     _RESULTS[case.name] = (case.group, msg)

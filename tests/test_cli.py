@@ -8,7 +8,6 @@ import sys
 import click
 import pytest
 import torch
-
 from conftest import ENV, dc
 
 
@@ -307,6 +306,7 @@ def test_run_takes_the_record_options_that_make_sense_for_a_side(tmp_path, capsy
     """run passes --view-audit, --include/--exclude, --capture-steps and --phases to both sides
     and --simulate to the target only: the README's audit example works through run."""
     from conftest import run_cli
+
     from driftcheck.store import TraceReader
 
     out = tmp_path / "run"

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.integrations.lightning import DriftcheckCallback
 from driftcheck.store import TraceReader
+from driftcheck.targets import faults
 
 FAULTY = "net.3"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on toy loaders

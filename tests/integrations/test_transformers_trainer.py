@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import record_builtin
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from driftcheck.targets import faults
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
 from driftcheck.integrations.transformers import DriftcheckCallback
 from driftcheck.store import TraceReader
+from driftcheck.targets import faults
 
 FAULTY = "model.layers.1.mlp"
 

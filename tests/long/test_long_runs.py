@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import dc
-from driftcheck.targets import faults
+
 from driftcheck.compare import compare
 from driftcheck.compare.long import compare_long
 from driftcheck.errors import DriftcheckError
@@ -16,6 +15,7 @@ from driftcheck.loader import load_scenario
 from driftcheck.record.long import record_long
 from driftcheck.record.runner import record
 from driftcheck.store.long import LongReader
+from driftcheck.targets import faults
 
 STEPS, EVERY, FAULT_AT, FAULTY = 400, 5, 150, "layers.1.mlp.down_proj"
 

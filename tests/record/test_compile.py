@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import record_builtin, run_cli
 from torch import nn
 
 import driftcheck
 from driftcheck.compare import compare
 from driftcheck.record import taps
 from driftcheck.store import TraceReader
-
-from conftest import record_builtin, run_cli
 
 
 class Block(nn.Module):
@@ -348,9 +347,9 @@ def test_the_tpu_backend_gets_capturable_optimizers_and_others_keep_theirs() -> 
 
 
 def test_the_tpu_backend_is_checked_against_torch_tpu_and_the_device(monkeypatch) -> None:
-    from driftcheck.targets import devices
     from driftcheck.errors import DriftcheckError
     from driftcheck.record.compilation import settings
+    from driftcheck.targets import devices
 
     with pytest.raises(DriftcheckError, match="torch_tpu's backend: pip install torch-tpu"):
         settings("tpu")  # no torch_tpu here: the real error path

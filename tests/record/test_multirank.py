@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from driftcheck.compare.ranks import compare_ranks
-from driftcheck.record.ranks import shard_batch
-from driftcheck.store.layout import is_multirank, rank_dirs
 from driftcheck.errors import DriftcheckError
+from driftcheck.record.ranks import shard_batch
 from driftcheck.store import TraceReader
+from driftcheck.store.layout import is_multirank, rank_dirs
 
 SCENARIO = textwrap.dedent('''
     import os
@@ -88,11 +88,11 @@ def test_one_complete_trace_per_rank_with_rank_metadata(runs, par):
         # Module paths are the model's own, without a wrapper's prefix.
         assert {e["module"] for e in reader.entries} >= {"0", "1", "2", "3"}
     # Each rank ran its half of the global batch of 4.
-    x0 = [e for e in readers[0].entries if e["phase"] == "forward" and e["module"] == "0"
-          and e["slot"] == "input.0"][0]
+    x0 = next(e for e in readers[0].entries if e["phase"] == "forward" and e["module"] == "0"
+              and e["slot"] == "input.0")
     assert x0["shape"] == [2, 8]
-    w = [e for e in readers[0].entries if e["phase"] == "params" and e["module"] == "0"
-         and e["slot"] == "param.weight"][0]
+    w = next(e for e in readers[0].entries if e["phase"] == "params" and e["module"] == "0"
+             and e["slot"] == "param.weight")
     # DDP replicates parameters; FSDP records this rank's shard of the (16, 8) weight.
     assert w["shape"] == ([16, 8] if par == "ddp" else [8, 8])
 

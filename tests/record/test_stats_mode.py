@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from driftcheck.numerics import stats
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
+from driftcheck.numerics import stats
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.runner import record, train
-from driftcheck.store import TraceReader, TraceWriter
-from driftcheck.store import format as fmt
 from driftcheck.record.tracer import Tracer
+from driftcheck.store import TraceReader, TraceWriter, format as fmt
 
 
 def _rec(out, mode, **kw):
@@ -350,8 +349,7 @@ def test_to_dict_nulls_exactly_the_non_finite_statistics():
 
 
 def test_kink_profile_counts_magnitudes_against_the_absmax():
-    from driftcheck.record.meta import KINK_BINS
-    from driftcheck.record.meta import kink_profile as _kink_profile
+    from driftcheck.record.meta import KINK_BINS, kink_profile as _kink_profile
 
     x = torch.tensor([4.0, -2.0, 1.0, 0.25, -1e-30, 0.0, float("nan"), float("inf"), 3.0])
     prof = _kink_profile(x).tolist()
@@ -574,7 +572,8 @@ def test_summarising_a_tensor_leaves_its_storage_resizable():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_dense_and_copy_stats_give_the_exact_extremes_and_float64_sums(dtype):
     """The one-pass kernels of large captures: min/max bit for bit those of the values (-0.0
-    below 0.0, as the keys order them: numpy's min leaves that sign to its SIMD path; subnormals, infinities, a length not a multiple of the block), the sums float64's,
+    below 0.0, as the keys order them: numpy's min leaves that sign to its SIMD path;
+    subnormals, infinities, a length not a multiple of the block), the sums float64's,
     and copy_stats the same four numbers as dense_stats with the copy made."""
     from driftcheck.numerics import summary_kernels as sk
 

@@ -1,19 +1,17 @@
 """The tracer: what it captures, copies at hook time, call indices, and no effect on the numbers."""
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import BUILTINS
 from torch import nn
 
 from driftcheck.loader import load_scenario
+from driftcheck.nested import flatten
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.runner import record, train
-from driftcheck.store import TraceReader
-from driftcheck.nested import flatten
 from driftcheck.record.tracer import Tracer
-
-from conftest import BUILTINS
+from driftcheck.store import TraceReader
 
 
 class BnReluNet(nn.Module):
