@@ -231,7 +231,7 @@ def test_base_model_directory_gets_a_seeded_head(tmp_path: Path) -> None:
 
 
 def test_unknown_family_lists_the_known_ones() -> None:
-    with pytest.raises(DriftcheckError, match="known: llama, qwen2.*wav2vec2"):
+    with pytest.raises(DriftcheckError, match=r"known: llama, qwen2.*wav2vec2"):
         hf.build("gpt5")
     with pytest.raises(DriftcheckError, match="unknown Hugging Face family"):
         hf.resolve("gpt5")
@@ -240,14 +240,14 @@ def test_unknown_family_lists_the_known_ones() -> None:
 def test_directory_errors_say_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(DriftcheckError, match="no such directory"):
         hf.build_from_path(str(tmp_path / "absent"))
-    with pytest.raises(DriftcheckError, match="no config.json"):
+    with pytest.raises(DriftcheckError, match=r"no config\.json"):
         hf.build_from_path(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(DriftcheckError, match=r"no weights \(\*.safetensors"):
         hf.build_from_path(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(DriftcheckError, match="unreadable config.json"):
+    with pytest.raises(DriftcheckError, match=r"unreadable config\.json"):
         hf.build_from_path(str(tmp_path))
 
 
@@ -268,7 +268,8 @@ def test_resolve_picks_family_or_directory(tmp_path: Path) -> None:
 def test_missing_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf, "is_available", lambda: False)
     # a line that works: driftcheck itself is not on the index
-    expected = r'hf:llama needs transformers: pip install transformers \(from a driftcheck checkout: pip install -e "\.\[hf\]"\)'
+    expected = (r'hf:llama needs transformers: pip install transformers '
+                r'\(from a driftcheck checkout: pip install -e "\.\[hf\]"\)')
     with pytest.raises(DriftcheckError, match=expected):
         hf.build("llama")
 

@@ -10,13 +10,13 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from hf_families import run_family  # noqa: E402
-from kernel_check import wrong_bf16_convs  # noqa: E402
+from hf_families import run_family
+from kernel_check import wrong_bf16_convs
 
-from driftcheck import hf  # noqa: E402
-from driftcheck.compare import compare  # noqa: E402
-from driftcheck.loader import load_scenario  # noqa: E402
-from driftcheck.record.runner import record  # noqa: E402
+from driftcheck import hf
+from driftcheck.compare import compare
+from driftcheck.loader import load_scenario
+from driftcheck.record.runner import record
 
 FAMILIES = list(hf.FAMILIES)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,7 +70,7 @@ def test_fold_lets_a_node_be_refused_before_its_children() -> None:
         if kind == nested.MAPPING:
             raise ValueError(path)
         return [r for _, r in children()]
-    with pytest.raises(ValueError, match="x.1"):
+    with pytest.raises(ValueError, match=r"x\.1"):
         nested.fold((A, {"k": B}), "x", fn)
     assert visited == ["x", "x.0", "x.1"]  # "x.1.k" never visited
 
@@ -131,3 +133,29 @@ def test_op_arguments_encode_and_decode() -> None:
     assert args[0] is A and args[1][0] is B and args[2] == 0.5 and kwargs["dtype"] is torch.float16
     with pytest.raises(ValueError, match="cannot encode dict"):
         encode_args(({"k": A},), {}, [])
+
+
+class _Layer:
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        self.keys, self.values = keys, values
+
+
+class _DuckCache:
+    """A Cache by its shape alone (layers with keys/values, get_seq_length), as transformers' are."""
+
+    def __init__(self, layers: list[_Layer]) -> None:
+        self.layers = layers
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+def test_a_cache_is_known_by_its_shape_without_transformers() -> None:
+    cache = _DuckCache([_Layer(A, B), _Layer(None, None), _Layer(C, None)])
+    assert nested.kind(cache) == nested.CACHE
+    assert [s for s, _ in nested.flatten({"past": cache}, "input")] == [
+        "input.past.0.keys", "input.past.0.values", "input.past.2.keys"]  # layers not yet filled: none
+    code = ("import sys, torch; from driftcheck import nested; "
+            "list(nested.flatten(({'a': torch.ones(1)},), 'x')); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr

@@ -8,10 +8,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from driftcheck.targets import simulate
-from driftcheck.errors import DriftcheckError
 from driftcheck.cli import probe_main
+from driftcheck.errors import DriftcheckError
 from driftcheck.probe import PROGRAMS, ProbeResult, run_probe
+from driftcheck.targets import simulate
 
 VIEW_WRITES = {  # writes through a view: both view defects must break them
     "index_assign_int", "index_assign_slice", "index_assign_strided_slice", "slice_view_write",

@@ -87,7 +87,7 @@ class ViewAudit(TorchDispatchMode):
         self._pending.clear()
         return self._events
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         kind = _kind(func)
         if self._paused or kind is None:
@@ -113,7 +113,7 @@ class ViewAudit(TorchDispatchMode):
             base = _base_of(t)
             aliased = base is not None and _shares(t, base)
             starts.append((name, t, base if aliased else None,
-                           _fingerprint(base) if aliased else None, aliased))
+                           _fingerprint(base) if aliased and base is not None else None, aliased))
         out = func(*args, **kwargs)
         for name, t, base, before, aliased in starts:
             event = self._event(step, module, func, kind, name, t)
@@ -122,7 +122,7 @@ class ViewAudit(TorchDispatchMode):
             # Only writes through views are fingerprinted: a plain write's values are the
             # numeric comparison's business, and skipping them keeps optimizer steps cheap.
             event["value"] = None
-            if aliased:
+            if aliased and base is not None:  # a view's base: aliased says it is there
                 self._pending.append((event, before, _fingerprint(base)))
         return out
 

@@ -222,7 +222,7 @@ class OpRecorder(TorchDispatchMode):
         self.phase = "forward"
         self.diverged: int | None = None  # a second pass that issued other ops from here on
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         leaves: list[torch.Tensor] = []
         try:

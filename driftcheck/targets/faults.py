@@ -326,7 +326,7 @@ class _StochasticRounding(TorchDispatchMode):
         super().__init__()
         self.g = torch.Generator().manual_seed(seed)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ not in _ARITHMETIC or func._schema.is_mutable:
             return out

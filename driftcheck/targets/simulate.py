@@ -76,7 +76,7 @@ class _Simulated(TorchDispatchMode):
 
 
 class _ViewsBecomeCopies(_Simulated):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if _packet_name(func) not in _VIEW_OPS:
             return out
@@ -89,7 +89,7 @@ class _ViewsBecomeCopies(_Simulated):
 
 
 class _DropViewWrites(_Simulated):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         for t in _written(func, args, kwargs):
             if t.numel() and _is_view_of_other(t):
@@ -102,7 +102,7 @@ class _DropViewWrites(_Simulated):
 
 
 class _SkipBatchNormStatUpdates(_Simulated):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if _packet_name(func) not in _BATCH_NORM_OPS:
             return func(*args, **kwargs)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import dc, record_builtin
 
-from conftest import record_builtin
 from driftcheck.compare import compare
-from conftest import dc
 
 SEMANTIC = ("batchnorm.", "view.", "inplace.")
 

@@ -10,17 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DATA, ENV, assert_one_line_error, dc, record_builtin, run_cli
 
-from driftcheck.targets import opfaults
 from driftcheck.compare import compare
 from driftcheck.drill import drill, point_of
 from driftcheck.drill.align import align
 from driftcheck.drill.side import Point
+from driftcheck.gate.signatures import attach
 from driftcheck.loader import load_scenario
 from driftcheck.record.runner import record
-from driftcheck.gate.signatures import attach
-
-from conftest import DATA, ENV, assert_one_line_error, dc, record_builtin, run_cli
+from driftcheck.targets import opfaults
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +84,7 @@ def test_op_fault_named_with_its_op_and_source_line(tmp_path, model, make, packe
 
 
 def test_torch_leaf_module_gets_the_line_that_calls_it(tmp_path):
-    make = lambda: opfaults.matmul_bf16_inputs("layers.1.mlp")  # noqa: E731
+    make = lambda: opfaults.matmul_bf16_inputs("layers.1.mlp")
     ref, tgt = _record_pair(tmp_path, "llama", make)
     _, res, fault = _drill(ref, tgt, "llama", make)
     rc = res.root_cause
@@ -121,7 +120,7 @@ def test_a_clean_fp32_target_on_another_thread_count_has_no_root_cause(tmp_path)
 
 
 def test_repro_runs_standalone_exits_1_with_the_fault_and_0_without(tmp_path):
-    make = lambda: opfaults.low_precision_sum("layers.0.mlp_norm")  # noqa: E731
+    make = lambda: opfaults.low_precision_sum("layers.0.mlp_norm")
     ref, tgt = _record_pair(tmp_path, "llama", make)
     _, res, _ = _drill(ref, tgt, "llama", make, out=tmp_path / "drill")
     script = Path(res.repro)
@@ -254,7 +253,7 @@ def test_drill_command_on_a_forced_module_and_bad_input(tmp_path, capsys):
 
     ref = record_builtin("mlp", tmp_path / "ref")
     tgt = record_builtin("mlp", tmp_path / "tgt", replay=ref, dtype="bf16")
-    code, out, err = run_cli(["drill", ref, tgt, "--module", "fc2", "--step", "1", "--phase", "backward"], capsys)
+    code, _, err = run_cli(["drill", ref, tgt, "--module", "fc2", "--step", "1", "--phase", "backward"], capsys)
     assert code == 0, err
     assert "no op exceeds its floor" in err and (tmp_path / "tgt-drill" / "drill.json").is_file()
     code, _, err = run_cli(["drill", ref, tgt], capsys)

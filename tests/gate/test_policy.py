@@ -8,8 +8,8 @@ import pytest
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.gate.policy import DEFAULT_LIMIT, Policy
-from driftcheck.store.format import kind_matches
 from driftcheck.gate.report import Finding
+from driftcheck.store.format import kind_matches
 
 POLICY = """
 limit = 5
@@ -135,7 +135,8 @@ def test_search_order(tmp_path) -> None:
     assert Policy.load(search_dir=str(tmp_path)).source is None  # nothing there: default
     write(tmp_path, "pyproject.toml", "[project]\nname = 'x'\n")
     assert Policy.load(search_dir=str(tmp_path)).source is None  # no [tool.driftcheck]
-    pyproject = write(tmp_path, "pyproject.toml", "[tool.driftcheck]\nlimit = 6\n[[tool.driftcheck.module]]\nglob = 'a*'\nlimit = 9\n")
+    pyproject = write(tmp_path, "pyproject.toml",
+                      "[tool.driftcheck]\nlimit = 6\n[[tool.driftcheck.module]]\nglob = 'a*'\nlimit = 9\n")
     policy = Policy.load(search_dir=str(tmp_path))
     assert (policy.source, policy.limit) == (pyproject, 6.0)
     assert policy.limit_for("ab", "forward") == (9.0, "override 'a*' limit 9 (pyproject.toml)")
@@ -173,7 +174,8 @@ def test_round_trip_through_report_dict(policy: Policy) -> None:
     ("fail_on = 'view'\n", "'fail_on' must be a list"),
     ("fail_on = ['views']\n", "fail_on item 'views' matches no finding kind (did you mean 'view'"),
     ("fail_on = ['nonsense']\n", "fail_on item 'nonsense' matches no finding kind"),
-    ("[[ignore]]\nkind = 'batchnorms'\nreason = 'r'\n", "[[ignore]] #1 kind 'batchnorms' matches no finding kind (did you mean 'batchnorm'"),
+    ("[[ignore]]\nkind = 'batchnorms'\nreason = 'r'\n",
+     "[[ignore]] #1 kind 'batchnorms' matches no finding kind (did you mean 'batchnorm'"),
     ("module = 3\n", "'module' must be an array of tables"),
     ("[[module]]\nlimit = 3\n", "[[module]] #1 has no 'glob'"),
     ("[[module]]\nglob = 'a'\n", "[[module]] #1 (glob 'a') has no 'limit'"),
@@ -212,10 +214,12 @@ def test_missing_files(tmp_path) -> None:
 
 
 # -- fuzzing: any TOML-shaped table is a Policy or one clear DriftcheckError ---------------------
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from driftcheck.errors import DriftcheckError  # noqa: E402
+from hypothesis import (  # noqa: E402
+    HealthCheck,
+    given,
+    settings,
+    strategies as st,
+)
 
 _keys = st.sampled_from(["limit", "steps", "fail_on", "module", "overrides", "ignore", "glob",
                          "kind", "phase", "reason", "x"])

@@ -2,23 +2,25 @@
 and property tests that results do not depend on the chunk size."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics.dtypes import coarser, default_tolerances, unit_roundoff
 from driftcheck.numerics.metrics import (
     ErrorAccumulator,
+    _as_array,
+    _flat_chunks,
+    _Sum,
     error_histogram,
     tensor_error,
     ulp,
 )
-from driftcheck.numerics.metrics import _as_array, _flat_chunks, _Sum
 
 INF, NAN = math.inf, math.nan
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -616,7 +618,7 @@ def test_merged_parts_equal_one_stream(seed, cuts, dtype):
         whole.update(a, b)
     bounds = [0, *sorted(cuts), 2000]
     merged = ErrorAccumulator(dtype, dtype)
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         part = ErrorAccumulator(dtype, dtype)
         for a, b in zip(r[lo:hi].split(300), t[lo:hi].split(300)):
             part.update(a, b)

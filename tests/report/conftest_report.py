@@ -170,7 +170,9 @@ def passing_report(limit: float = 4.0) -> Report:
         verdict="pass", reference=REF_META, target=meta, first_divergence=None, entries=entries,
         findings=[Finding("precision.tf32_enabled", "", None, "TF32 is allowed for cuDNN convolutions on the target",
                           severity="warning")],
-        limit=limit, decided_by=f"all {len(entries)} entries within their limits (default limit {limit:g}); no findings fail the gate",
+        limit=limit,
+        decided_by=f"all {len(entries)} entries within their limits (default limit {limit:g}); "
+                   "no findings fail the gate",
     )
 
 

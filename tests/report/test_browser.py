@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest_report import HOSTILE_NAMES, big_report, failing_report, hostile_report, passing_report
-from driftcheck.report.html import render_html
+
 from driftcheck.gate.report import Report
+from driftcheck.report.html import render_html
 
 pytestmark = pytest.mark.browser
 
@@ -120,7 +120,8 @@ def test_failing_report(browser, tmp_path) -> None:
     assert all(math.isnan(r) for r in ratios[len(finite):])  # unjudged entries last
     page.click("#entries-table th.c-ratio")
     ascending = [r for r in (_num(t) for t in opened.column("ratio")) if not math.isnan(r)]
-    assert ascending == sorted(ascending) and page.get_attribute("#entries-table th.c-ratio", "aria-sort") == "ascending"
+    assert ascending == sorted(ascending)
+    assert page.get_attribute("#entries-table th.c-ratio", "aria-sort") == "ascending"
     page.click("#entries-table th.c-module")
     modules = opened.column("module")
     assert modules == sorted(modules, key=str.lower) and modules[0] != modules[-1]
@@ -186,9 +187,9 @@ def test_real_fault_report_on_a_builtin_model(browser, tmp_path, traces) -> None
     """An injected fault on the built-in Llama (bf16 target, one Linear's output x1.25) and the
     clean bf16 run: both render, the failing one names the module; these are the README's
     screenshots."""
+    from conftest import a_middle_linear, record_builtin
+
     from driftcheck.compare import compare
-    from conftest import record_builtin
-    from conftest import a_middle_linear
     from driftcheck.targets.faults import scale_output
 
     ref = traces["llama"]["fp32"]
@@ -338,11 +339,11 @@ def test_a_long_run_draws_a_bounded_chart(browser, tmp_path) -> None:
 
 
 def test_long_run_report_draws_loss_distance_band_and_the_first_bad_step(browser, tmp_path) -> None:
-    from driftcheck.targets import faults
     from driftcheck.compare.long import compare_long
     from driftcheck.loader import load_scenario
     from driftcheck.record.long import record_long
     from driftcheck.report.long import render_long_html
+    from driftcheck.targets import faults
 
     def long(name, **kw):
         return record_long(load_scenario("llama"), tmp_path / name, steps=40, every=5, force=True, **kw)

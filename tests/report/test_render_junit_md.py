@@ -4,9 +4,10 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from conftest_report import DIVERGING, HOSTILE_NAMES, MODULES, failing_report, hostile_report, passing_report, rejudged
+
+from driftcheck.gate.report import DRIFT
 from driftcheck.report.junit import MAX_LINES, render_junit
 from driftcheck.report.markdown import md, render_markdown
-from driftcheck.gate.report import DRIFT
 
 
 def cases(xml: str) -> dict[tuple[str, str], ET.Element]:
@@ -41,7 +42,8 @@ def test_failing_report_junit() -> None:
     findings = {n: c for (cls, n), c in got.items() if cls == "driftcheck.finding"}
     assert len(findings) == 6
     failing = {n for n, c in findings.items() if c.find("failure") is not None}
-    assert failing == {"batchnorm.running_stats_not_updated @ norm.bn step 0", "view.aliasing_lost @ layers.0.attn step 0",
+    assert failing == {"batchnorm.running_stats_not_updated @ norm.bn step 0",
+                       "view.aliasing_lost @ layers.0.attn step 0",
                        "inplace.overlap @ layers.1.mlp step 0", "nonfinite.target_only @ lm_head step 1",
                        "alignment.missing @ layers.0.attn step 1"}
     assert "warning:" in findings["precision.matmul_differs @ (model)"].find("system-out").text

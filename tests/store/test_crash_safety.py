@@ -12,12 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_not_complete, assert_one_line_error, run_cli, write_scenarios
 
 from driftcheck import store
 from driftcheck.errors import TraceError
-from driftcheck.store import replay as store_replay
-from driftcheck.store import writer as store_writer
-from conftest import assert_not_complete, assert_one_line_error, run_cli, write_scenarios
+from driftcheck.store import replay as store_replay, writer as store_writer
 
 
 @pytest.fixture(scope="module")

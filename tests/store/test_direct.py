@@ -17,9 +17,8 @@ from torch import nn
 
 import driftcheck
 from driftcheck.numerics import stats as tstats
-from driftcheck.store import TraceReader, TraceWriter
-from driftcheck.store import direct as store_direct
 from driftcheck.record.tracer import Tracer
+from driftcheck.store import TraceReader, TraceWriter, direct as store_direct
 from driftcheck.store.buffers import MIN_BYTES, HostBuffers
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.uint8,

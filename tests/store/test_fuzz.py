@@ -20,17 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from conftest import record_trace, write_scenarios
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from driftcheck.store import format as fmt
-from driftcheck.numerics import stats as tstats
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
-from driftcheck.numerics.metrics import tensor_error
 from driftcheck.gate.report import Entry, Report
-from driftcheck.store import TraceReader
-from conftest import record_trace, write_scenarios
+from driftcheck.numerics import stats as tstats
+from driftcheck.numerics.metrics import tensor_error
+from driftcheck.store import TraceReader, format as fmt
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                       HealthCheck.function_scoped_fixture])

@@ -16,9 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from driftcheck.store import writer as store_writer
 from driftcheck.errors import DriftcheckError, TraceError
-from driftcheck.store import INCOMPLETE, TraceReader, TraceWriter
+from driftcheck.store import INCOMPLETE, TraceReader, TraceWriter, writer as store_writer
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool,
           torch.float8_e4m3fn, torch.uint8]

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
+from driftcheck.errors import DriftcheckError
 from driftcheck.targets import devices
 from driftcheck.targets.devices import describe, open_device, parse_device, synchronize
-from driftcheck.errors import DriftcheckError
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.cuda

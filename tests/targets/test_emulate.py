@@ -92,7 +92,7 @@ def test_linear_and_conv_backward_use_the_same_passes():
         out = conv(xi)
         go = torch.randn(out.shape, generator=g)
         out.backward(go)
-    gi, gw, gb = aten.convolution_backward.default(
+    gi, gw, _ = aten.convolution_backward.default(
         _bf16(go), _bf16(xi.detach()), _bf16(conv.weight.detach()), [5], [1, 1], [1, 1], [1, 1], False,
         [0, 0], 1, [True, True, True])
     assert torch.equal(xi.grad, gi) and torch.equal(conv.weight.grad, gw)
@@ -110,7 +110,7 @@ def test_attention_matmuls_are_emulated_too():
     fp32 = F.scaled_dot_product_attention(*(q.detach(),) * 3)
     with emulate_tpu("default"):
         out = F.scaled_dot_product_attention(*(q.detach(),) * 3)
-    rel = lambda x: float((x.double() - exact).norm() / exact.norm())  # noqa: E731
+    rel = lambda x: float((x.double() - exact).norm() / exact.norm())
     assert rel(out) > 1e-4 > 1e-6 > rel(fp32)  # the bf16 passes show; plain fp32 is far closer
 
 
@@ -132,6 +132,7 @@ def test_level_names_map_as_torch_tpu_maps_them():
 @pytest.mark.parametrize("model", ["llama", "mlp", "resnet", "vit"])
 def test_emulated_runs_of_every_builtin_pass(traces, tmp_path, model, level):
     from conftest import record_builtin
+
     from driftcheck.compare import compare
 
     ref = traces[model]["fp32"]
@@ -148,6 +149,7 @@ def test_emulated_runs_of_every_builtin_pass(traces, tmp_path, model, level):
 
 def test_a_defect_under_emulation_is_caught_at_its_module(traces, tmp_path):
     from conftest import a_middle_linear, record_builtin
+
     from driftcheck.compare import compare
     from driftcheck.targets.faults import scale_output
 
@@ -159,7 +161,7 @@ def test_a_defect_under_emulation_is_caught_at_its_module(traces, tmp_path):
 
 
 def test_cli_emulation_is_recorded_and_named(tmp_path, capsys):
-    from conftest import assert_one_line_error, run_cli
+    from conftest import run_cli
 
     code, out, _ = run_cli(["run", "mlp", "--target", "cpu", "--emulate", "tpu", "--matmul-precision", "high",
                             "--out", tmp_path / "run"], capsys)

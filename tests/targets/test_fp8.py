@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from driftcheck.targets import fp8
 from driftcheck.errors import DriftcheckError
+from driftcheck.targets import fp8
 from driftcheck.targets.fp8 import Fp8Recipe, compute_scale, enable_fp8, quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -240,7 +240,7 @@ def test_enable_errors_and_skips() -> None:
     with pytest.raises(DriftcheckError, match="already enabled on 0"):
         enable_fp8(model)
     handle.remove()
-    with pytest.raises(DriftcheckError, match="no nn.Linear"):
+    with pytest.raises(DriftcheckError, match=r"no nn\.Linear"):
         enable_fp8(nn.Sequential(nn.ReLU()))
 
 
