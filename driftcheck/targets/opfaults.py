@@ -46,8 +46,9 @@ __all__ = [
     "wrong_backward",
 ]
 
-_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep,
-         os.path.dirname(os.__file__) + os.sep)
+# torch, driftcheck (the package: this file is in targets/) and the standard library
+_SKIP = (os.path.dirname(torch.__file__) + os.sep,
+         os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, os.path.dirname(os.__file__) + os.sep)
 _SDPA = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math",
          "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
          "_scaled_dot_product_cudnn_attention")
@@ -58,7 +59,7 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self.fault = fault
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         f = self.fault
         name = func.overloadpacket.__name__
