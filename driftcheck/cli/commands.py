@@ -134,24 +134,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
 
     parse_cli(dtype)
     torch_device = devices.open_device(device)
-    emulate_level = None
-    if emulate:
-        from driftcheck.targets.emulate import level_of
-
-        if dev_type not in ("cpu", "cuda"):
-            raise DriftcheckError(f"--emulate tpu runs on a CPU or CUDA device, not {device!r}; on a TPU "
-                                  "record without --emulate")
-        emulate_level = level_of(matmul_precision)
-    elif matmul_precision == "default":
-        matmul_precision = "medium"  # torch_tpu's name for torch's medium
-    if matmul_precision and not emulate:
-        from driftcheck.targets import precision
-
-        precision.apply_settings(matmul_precision=matmul_precision)
-        if torch_device.type == "cpu" and not precision.cpu_matmul_precision_has_effect(matmul_precision):
-            click.echo(f"driftcheck: warning: --matmul-precision {matmul_precision} changes nothing in "
-                       "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
-                       "effect on CUDA (TF32) and under torch_tpu", err=True)
+    emulate_level = _matmul_settings(emulate, matmul_precision, device, dev_type, torch_device)
     from driftcheck.loader import load_scenario
     from driftcheck.record.config import RecordConfig
     from driftcheck.record.runner import default_local, record as do_record
@@ -182,6 +165,34 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
             capture_steps=_set(parse_ranges(capture_steps)), transfer=transfer, autocast=autocast,
             fp8=fp8, view_audit=view_audit, local=local, simulate=simulate, parallel=parallel,
             emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_)))
+    _say_recorded(obj, out, simulate)
+
+
+def _matmul_settings(emulate: str | None, matmul_precision: str | None, device: str, dev_type: str,
+                     torch_device: Any) -> str | None:
+    """--emulate's matmul level (None without it), or --matmul-precision applied to torch."""
+    if emulate:
+        from driftcheck.targets.emulate import level_of
+
+        if dev_type not in ("cpu", "cuda"):
+            raise DriftcheckError(f"--emulate tpu runs on a CPU or CUDA device, not {device!r}; on a TPU "
+                                  "record without --emulate")
+        return level_of(matmul_precision)
+    if matmul_precision == "default":
+        matmul_precision = "medium"  # torch_tpu's name for torch's medium
+    if matmul_precision:
+        from driftcheck.targets import precision
+
+        precision.apply_settings(matmul_precision=matmul_precision)
+        if torch_device.type == "cpu" and not precision.cpu_matmul_precision_has_effect(matmul_precision):
+            click.echo(f"driftcheck: warning: --matmul-precision {matmul_precision} changes nothing in "
+                       "this torch's CPU float32 matmuls (bitwise the same as 'highest'); it takes "
+                       "effect on CUDA (TF32) and under torch_tpu", err=True)
+    return None
+
+
+def _say_recorded(obj: Ctx, out: str, simulate: str | None) -> None:
+    """What the record holds: its size and findings; a --simulate that changed nothing."""
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 
