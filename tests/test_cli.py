@@ -295,11 +295,18 @@ def test_options_that_change_nothing_say_so(tmp_path, capsys):
 
 
 def test_run_knows_the_dtype_names_without_torch():
-    """record/run.py spells out the --dtype names to stay torch-free: they must be dtypes'."""
-    from driftcheck.numerics import dtypes
-    from driftcheck.record.run import DTYPE_NAMES
+    """record/run.py checks --dtype names from the torch-free table (numerics/dtype_names.py)
+    that numerics/dtypes.py builds its torch dtypes from: one table, and run stays torch-free."""
+    import subprocess
+    import sys
 
-    assert set(DTYPE_NAMES) == set(dtypes.CLI_DTYPES)
+    from driftcheck.numerics import dtypes
+
+    code = ("import sys\nimport driftcheck.record.run, driftcheck.store.format\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert {k: dtypes.name_of(v) for k, v in dtypes.CLI_DTYPES.items()} == dtypes.CLI_DTYPE_NAMES
 
 
 def test_run_takes_the_record_options_that_make_sense_for_a_side(tmp_path, capsys):

@@ -12,6 +12,13 @@ import math
 import torch
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.numerics.dtype_names import (  # the torch-free names, re-exported
+    CLI_DTYPE_NAMES as CLI_DTYPE_NAMES,
+    CODE_NAMES as CODE_NAMES,
+    FLOAT_NAMES as FLOAT_NAMES,
+    SAFETENSORS_CODES as SAFETENSORS_CODES,
+    TRACE_DTYPES as TRACE_DTYPES,
+)
 
 DTypeLike = torch.dtype | str
 
@@ -148,23 +155,8 @@ def eps_tiny(d: DTypeLike) -> tuple[float, float]:
 
 
 # -- names ---------------------------------------------------------------------------------------
-# The dtypes a trace stores (a trace names them as torch does, minus "torch.") and their codes in
-# the safetensors file format. complex128 is not among them: the writer refuses it with a hint.
-SAFETENSORS_CODES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "int64": "I64", "int32": "I32", "int16": "I16",
-    "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64",
-}
-CODE_NAMES = {code: name for name, code in SAFETENSORS_CODES.items()}
-TRACE_DTYPES = tuple(SAFETENSORS_CODES)
-FLOAT_NAMES = frozenset(TRACE_DTYPES[:8])
-
 # The short names the command line takes (--dtype, --reference-dtype, --target-dtype).
-CLI_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-    "fp64": torch.float64, "float64": torch.float64}
+CLI_DTYPES: dict[str, torch.dtype] = {cli: getattr(torch, name) for cli, name in CLI_DTYPE_NAMES.items()}
 
 # The fp8 formats of emulated fp8 training (record --fp8), by recipe name.
 FP8_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

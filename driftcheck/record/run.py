@@ -15,12 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.numerics.dtype_names import CLI_DTYPE_NAMES
 from driftcheck.store import layout
 from driftcheck.targets import devices
-
-# The --dtype names (dtypes.CLI_DTYPES), spelled out so this process stays torch-free;
-# tests/test_cli.py keeps the two equal.
-DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp64", "float64")
 
 
 @dataclasses.dataclass
@@ -137,9 +134,9 @@ def check(sides: Sides) -> None:
     """What can be known wrong before recording: option combinations and devices (torch's own
     opened here; tpu's package looked up without importing it). This process stays torch-free
     until it compares (a torch_tpu with a broken runtime would make ``import torch`` fail here):
-    the dtype names are spelled out here (DTYPE_NAMES)."""
+    the dtype names come from the torch-free table (numerics/dtype_names.py)."""
     for flag, name in (("--reference-dtype", sides.reference_dtype), ("--target-dtype", sides.target_dtype)):
-        if name.lower() not in DTYPE_NAMES:
+        if name.lower() not in CLI_DTYPE_NAMES:
             raise DriftcheckError(f"unsupported {flag} {name!r}: choose fp32, bf16, fp16 or fp64")
     if sides.local and sides.mode != "full":
         raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "

@@ -17,6 +17,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from driftcheck.numerics.dtype_names import TRACE_DTYPES  # the dtypes a shard can store
+
 # The address grammar lives in keys.py; re-exported here, where the trace format's readers look.
 from driftcheck.store.keys import (
     LOCAL_PREFIX as LOCAL_PREFIX,
@@ -98,8 +100,6 @@ _ENTRY_FIELDS: dict[str, type] = {
 
 def validate_manifest(m: Any) -> dict[str, Any]:
     """Check a parsed manifest.json; raise FormatError naming the first problem."""
-    from driftcheck.numerics.dtypes import TRACE_DTYPES  # the dtypes a shard can store (imports torch)
-
     if not isinstance(m, dict):
         raise FormatError("manifest is not a JSON object")
     if m.get("format") != FORMAT_NAME:
