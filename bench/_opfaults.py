@@ -1,7 +1,7 @@
 """Op-level faults inside multi-op modules, and the drill-down that must name them
 (``python bench/faults.py --ops``).
 
-Each case injects one wrong ATen kernel (driftcheck/opfaults.py) into one module of the target
+Each case injects one wrong ATen kernel (driftcheck/targets/opfaults.py) into one module of the target
 run: exact GELU computed with the tanh formula, attention with the wrong scale, a mean
 accumulated in bf16, one matmul from bf16-rounded operands, a backward formula missing a term.
 The target is compared with its reference and the first divergence drilled

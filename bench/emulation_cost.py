@@ -6,7 +6,7 @@ of N in one run.
     python bench/emulation_cost.py --quick    # tiny only
 
 Each level computes every fp32 matmul and convolution from 1, 3 or 6 bf16 passes in fp32
-(driftcheck/emulate.py), plus a Python dispatch per aten op while the mode is on.
+(driftcheck/targets/emulate.py), plus a Python dispatch per aten op while the mode is on.
 """
 from __future__ import annotations
 
