@@ -57,7 +57,8 @@ def _one(model: str, dtype: str, out: Path) -> dict:
 
 
 def _table(rows: list[dict], gpu: str, tests: str) -> str:
-    lines = [f"GPU: {gpu}", "", "| model | target dtype | verdict | worst ratio (where) | first divergence | findings | s |",
+    lines = [f"GPU: {gpu}", "",
+             "| model | target dtype | verdict | worst ratio (where) | first divergence | findings | s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         where = f"{r.get('worst')} ({r.get('worst_at')})" if r.get("worst") is not None else r.get("error", "")
