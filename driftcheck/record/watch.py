@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.meta import kink_profile_of
+from driftcheck.targets import deferred
 
 # Softmax amplifies the rounding of its logits: a logit x carries u|x| of error, and exp turns
 # it into a relative error u|x| of its weight (attention logits reach 100+). The largest
@@ -38,6 +39,13 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
         from driftcheck.numerics import summary_kernels as k  # numba: imported where it is used
 
         return torch.tensor(k.weighted_absmax(k.flat_view(x), x.shape[-1], LOGIT_SPAN))
+    if x.device.type in deferred.DEFERRED_TYPES:  # no amax/where kernels there: host fallbacks
+        top = x.max(dim=dim, keepdim=True).values.float()
+        fin = torch.isfinite(top)
+        lo = deferred.where(fin, top - LOGIT_SPAN, math.inf)
+        low = deferred.where(x >= lo, x, 0.0).min().float()
+        high = deferred.where(fin, top, 0.0).max()
+        return torch.maximum(torch.maximum(high, -low), torch.zeros_like(high))
     top = x.amax(dim=dim, keepdim=True).float()  # a row holding NaN or +inf keeps nothing
     fin = torch.isfinite(top)
     lo = torch.where(fin, top - LOGIT_SPAN, torch.full_like(top, math.inf))

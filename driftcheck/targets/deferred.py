@@ -66,6 +66,16 @@ def lazy_available() -> bool:
     return hasattr(torch._C, "_lazy") and importlib.util.find_spec("torch._lazy.ts_backend") is not None
 
 
+def where(keep: torch.Tensor, x: torch.Tensor, value: float) -> torch.Tensor:
+    """``torch.where(keep, x, value)``; on the lazy backend, which lowers no ``where`` (a host
+    fallback there, so a sync), the same values as a masked fill."""
+    import torch
+
+    if x.device.type in DEFERRED_TYPES:
+        return x.masked_fill(keep == 0, value)
+    return torch.where(keep, x, value)
+
+
 def mark_step(device: torch.device) -> None:
     """The step boundary of a deferred device: every live tensor's pending graph runs (a no-op
     on other devices)."""
