@@ -192,7 +192,7 @@ class Capture:
         if self.deferred and data.device.type in deferred.DEFERRED_TYPES:
             # a statistic or sample read now would run the step's graph up to here: a copy only
             # (an op in the step's graph), summarised on the host after the step's sync point
-            return None, data.clone() if copy else data
+            return None, deferred.copy(data) if copy else data
         if not keep and tstats.HostSummaries.eligible(data):
             got = self._host.take(data, skey)
             if got is not None:

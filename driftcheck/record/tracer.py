@@ -98,6 +98,8 @@ class Tracer:
         self.state = StateCapture(model, self.capture, self.selection.module, optimizer)
         self.tied_params = tied_parameters(self.names, self.state.owners)
         self.watch = WatchLog(self.calls)
+        if self.counts is not None:  # the watch's graphs are the capture's too
+            self.watch.around = self.counts.own
         self.norms = NormAudit(config.audits, self.capture, self.findings)
         self.tap_grads = TapGradients(self.capture, self.calls, self.selection.module)
         self.backward = BackwardHooks(self.capture, self.calls, self.tap_grads,
@@ -260,6 +262,7 @@ class Tracer:
                 self.norms.audit_deferred(self.graph_taps.by_name, self.calls.counts)
         if self.counts is not None:  # the step's own sync point: its graph, captures included
             deferred.mark_step(self.device)
+            self.norms.audit_later()
         self.capture.flush()
         if self.counts is not None:
             self.counts.end_step(self.capture.step)

@@ -195,9 +195,18 @@ class LogitWatch(TorchFunctionMode):
         self.on_logits = on_logits
         self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
         self.on_decision = on_decision
+        self.around: Callable[[], Any] | None = None  # a context around the watch's own work
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.around is None:
+            self._see(func, args, kwargs)
+        else:
+            with self.around():
+                self._see(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _see(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         name = getattr(func, "__name__", None)
         try:
             if name in _SOFTMAX or name == "cross_entropy":
@@ -236,7 +245,6 @@ class LogitWatch(TorchFunctionMode):
                     self.on_rounding(prof)
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
             pass  # a layout this does not know: the floor goes without the amplification
-        return func(*args, **kwargs)
 
 
 def own_work(fn: Callable) -> Callable:
@@ -260,6 +268,7 @@ class WatchLog:
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
+        self.around: Callable[[], Any] | None = None  # the watches' ``around`` (LogitWatch)
         self.reset()
 
     def reset(self) -> None:
@@ -273,8 +282,10 @@ class WatchLog:
 
     def watch(self) -> LogitWatch:
         """A torch function mode that hands what it sees to this log."""
-        return LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
+        mode = LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
                           self.on_host)
+        mode.around = self.around
+        return mode
 
     def _taking(self) -> bool:
         return self.calls.active and not self.calls.replaying

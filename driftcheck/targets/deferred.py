@@ -66,6 +66,16 @@ def lazy_available() -> bool:
     return hasattr(torch._C, "_lazy") and importlib.util.find_spec("torch._lazy.ts_backend") is not None
 
 
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` that later writes cannot reach. On the lazy backend a ``clone`` of a
+    tensor that holds device data can share that data, and an in-place update the backend
+    makes there (BatchNorm's running statistics) then lands in the clone instead of the
+    tensor (docs/devices.md): a product makes a buffer of its own, with the same values."""
+    if t.device.type in DEFERRED_TYPES and (t.is_floating_point() or t.is_complex()):
+        return t * 1
+    return t.clone()
+
+
 def where(keep: torch.Tensor, x: torch.Tensor, value: float) -> torch.Tensor:
     """``torch.where(keep, x, value)``; on the lazy backend, which lowers no ``where`` (a host
     fallback there, so a sync), the same values as a masked fill."""
@@ -138,6 +148,7 @@ class StepCounts:
         self.capture_graphs: list[int] = []  # per step: graphs the capture ran inside it
         self._start = counters(device_type)
         self._own = 0
+        self._depth = 0
 
     def own(self) -> Any:
         """A context around the tracer's own work inside a step: the graphs it runs are counted."""
@@ -157,11 +168,17 @@ class StepCounts:
 
 
 class _Own:
+    """Counts the graphs run inside it, once where such contexts nest."""
+
     def __init__(self, counts: StepCounts) -> None:
         self.counts = counts
 
     def __enter__(self) -> None:
-        self.before = counters(self.counts.device_type)
+        self.counts._depth += 1
+        if self.counts._depth == 1:
+            self.before = counters(self.counts.device_type)
 
     def __exit__(self, *exc: Any) -> None:
-        self.counts._own += graphs(diff(counters(self.counts.device_type), self.before))
+        self.counts._depth -= 1
+        if self.counts._depth == 0:
+            self.counts._own += graphs(diff(counters(self.counts.device_type), self.before))
