@@ -212,6 +212,7 @@ class LogitWatch(TorchFunctionMode):
             if name in _SOFTMAX or name == "cross_entropy":
                 x = args[0] if args else kwargs.get("input")
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+                    dim: Any  # an int, or whatever the call was given
                     if name == "cross_entropy":  # its softmax runs over the class dim
                         dim = 1 if x.dim() >= 2 else 0
                     else:
