@@ -28,6 +28,7 @@ from torch import nn
 
 from driftcheck.gate.report import Finding
 from driftcheck.numerics import dtypes
+from driftcheck.targets import deferred
 
 __all__ = ["audit_call", "is_tracked_norm", "snapshot"]
 
@@ -52,7 +53,7 @@ def snapshot(module: nn.Module) -> dict[str, torch.Tensor | None]:
     for name in _BUFFERS:
         buf = getattr(module, name, None)
         is_lazy = isinstance(buf, nn.parameter.UninitializedBuffer)
-        snap[name] = None if buf is None or is_lazy else buf.detach().clone()
+        snap[name] = None if buf is None or is_lazy else deferred.copy(buf.detach())
     return snap
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from driftcheck.audit import batchnorm as bn_audit
 from driftcheck.record.calls import CallKey
 from driftcheck.record.capture import Capture
+from driftcheck.targets import deferred
 
 
 class NormAudit:
@@ -31,6 +32,9 @@ class NormAudit:
 
     def reset(self) -> None:
         self._before: dict[CallKey, tuple[Any, torch.Tensor]] = {}
+        # a deferred device's calls: (name, call, module, input, before, after) device-side
+        # copies, audited after the step's sync point (reading them earlier would be one)
+        self.later: list[tuple[str, int, nn.Module, torch.Tensor, Any, Any]] = []
         self.deferred: list[tuple[str, int, torch.Tensor]] = []  # tapped norms' calls
 
     def enter(self, name: str, call: int, module: nn.Module, x: torch.Tensor, compiled: bool) -> None:
@@ -41,14 +45,31 @@ class NormAudit:
             if compiled:  # buffers are written back after the graph: audited at step end
                 self.deferred.append((name, call, x.detach().clone()))
             else:
-                self._before[(name, call)] = (bn_audit.snapshot(module), x.detach().clone())
+                self._before[(name, call)] = (bn_audit.snapshot(module), deferred.copy(x.detach()))
 
     def leave(self, name: str, call: int, module: nn.Module) -> None:
         """The call ends: its buffers audited against those kept at its start."""
         if (name, call) not in self._before:
             return
         before, x = self._before.pop((name, call))
+        if self.capture.deferred:
+            with self.capture.quiet():
+                self.later.append((name, call, module, x, before, bn_audit.snapshot(module)))
+            return
         self._audit(name, call, module, x, before)
+
+    def audit_later(self) -> None:
+        """After a deferred device's sync point: the audits its calls left for then."""
+        for name, call, module, x, before, after in self.later:
+            # data the sync point made, copied to the host: the audit computes there
+            x = x.cpu()
+            before, after = ({k: None if v is None else v.cpu() for k, v in snap.items()}
+                             for snap in (before, after))
+            with self.capture.quiet():
+                found = bn_audit.audit_call(name, module, x, before, after, module.training,
+                                            self.capture.step, call)
+            self.findings.extend(f.to_dict() for f in found)
+        self.later.clear()
 
     def _audit(self, name: str, call: int, module: nn.Module, x: torch.Tensor, before: Any) -> None:
         with self.capture.quiet():

@@ -18,6 +18,7 @@ from driftcheck.record.config import CaptureConfig
 from driftcheck.record.selection import Selection
 from driftcheck.store.keys import key_string, sample_key
 from driftcheck.store.writer import TraceWriter
+from driftcheck.targets import deferred
 
 # On the host a flush is no sync point: captures go to the writer once this much waits, so
 # writing a full-mode step overlaps the step instead of starting at its end.
@@ -65,6 +66,9 @@ class Capture:
         self.order = 0  # execution order of the step's captures
         self.pending: list[Pending] = []
         self.pending_bytes = 0
+        # On a deferred device (lazy, xla) nothing is read inside a step: copies wait on the
+        # device for the step's own mark_step (the tracer's), then move to the host.
+        self.deferred = False
         self._host = tstats.HostSummaries(config.seed)
         self.reset()
 
@@ -176,14 +180,19 @@ class Capture:
         self.pending.append(Pending(entry, data, dev_meta, summary))
         self.pending_bytes += data.numel() * data.element_size()
         self._seen_keys.add(skey)
-        if self.transfer == "per-capture" or self.pending_bytes > self.max_pending_bytes \
-                or (self.pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"):
+        if self.transfer == "per-capture" or (not self.deferred and (
+                self.pending_bytes > self.max_pending_bytes
+                or (self.pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"))):
             self.flush()
 
     def take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
               copy: bool) -> tuple[Summary | None, torch.Tensor]:
         """(summary or None, what the pending capture holds) for detached ``data`` of ``t``."""
         keep = phase == "loss" or self.selection.full(module)  # the whole tensor goes to the trace
+        if self.deferred and data.device.type in deferred.DEFERRED_TYPES:
+            # a statistic or sample read now would run the step's graph up to here: a copy only
+            # (an op in the step's graph), summarised on the host after the step's sync point
+            return None, deferred.copy(data) if copy else data
         if not keep and tstats.HostSummaries.eligible(data):
             got = self._host.take(data, skey)
             if got is not None:
@@ -227,6 +236,9 @@ class Capture:
         if not self.pending:
             return
         pending, self.pending, self.pending_bytes = self.pending, [], 0
+        if self.deferred:
+            with torch.no_grad(), self.quiet():
+                _off_deferred(pending)
         with torch.no_grad(), self.quiet():
             fulls = [self.selection.full(p.entry["module"]) or p.entry["phase"] == "loss"
                      for p in pending]
@@ -314,6 +326,22 @@ def _pack_samples(host: list[torch.Tensor], fulls: list[bool]) -> None:
         block = torch.cat([host[i].reshape(-1) for i in idxs])
         for i, part in zip(idxs, block.split([host[i].numel() for i in idxs])):
             host[i] = part.view(host[i].shape)
+
+
+def _off_deferred(pending: list[Pending]) -> None:
+    """The captures of a deferred device, and their device-side meta, onto the host in place:
+    their graphs run together where any is still pending (after the step's mark_step, none
+    is), then each one's data is copied (a transfer of data the device holds: no graph runs)."""
+    held = [p.tensor for p in pending if p.tensor.device.type in deferred.DEFERRED_TYPES]
+    held += [v for p in pending for v in (p.dev_meta or {}).values()
+             if v.device.type in deferred.DEFERRED_TYPES]
+    if not held:
+        return
+    deferred.materialise(held)
+    for p in pending:
+        p.tensor = p.tensor.cpu()
+        if p.dev_meta:
+            p.dev_meta = {k: v.cpu() for k, v in p.dev_meta.items()}
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -199,7 +199,7 @@ class LocalReplay:
 
 
 def fork_rng(dev: torch.device) -> Any:
-    if dev.type == "cpu":
+    if dev.type == "cpu" or not hasattr(torch, dev.type):  # lazy: no torch.lazy, no RNG of its own
         return torch.random.fork_rng(devices=[])
     try:
         return torch.random.fork_rng(devices=[dev.index or 0], device_type=dev.type)

@@ -17,6 +17,7 @@ from driftcheck.numerics import dtypes
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.scenario import Scenario, call_model
+from driftcheck.targets import deferred
 
 
 def cast_batch(obj: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -43,10 +44,10 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
             step_hook(step)  # a fault scheduled to begin at some step (tests, bench/long_runs.py)
         batch = cast_batch(raw, device, dtype)
         with dropout, autocast_context(device, autocast):
-            with user_code(name, "the forward", step), \
+            with user_code(name, "the forward", step, device), \
                     tracer.logit_watch() if tracer is not None else contextlib.nullcontext():
                 output = call_model(model, batch)
-            with user_code(name, "loss(output, batch)", step), \
+            with user_code(name, "loss(output, batch)", step, device), \
                     tracer.logit_watch("loss") if tracer is not None else contextlib.nullcontext():
                 loss = scenario.loss(output, batch) if scenario.loss else None
         if loss is not None:
@@ -59,16 +60,18 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
                                       "or drop the loss for an inference-only record")
             if tracer is not None:
                 tracer.record_loss(loss)
-            with user_code(name, "the backward", step):
+            with user_code(name, "the backward", step, device):
                 loss.backward()
             if optimizer is not None:
-                with user_code(name, "the optimizer step", step):
+                with user_code(name, "the optimizer step", step, device):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             else:
                 model.zero_grad(set_to_none=True)
         if tracer is not None:
-            tracer.step()
+            tracer.step()  # on a deferred device (lazy, xla) it marks the step, after its captures
+        elif deferred.is_deferred(device):
+            deferred.mark_step(device)  # the step boundary, as a traced run has it
         if fp8_handle is not None and tracer is not None:
             tracer.fp8_stats += [dict(s, step=step) for s in fp8_handle.stats()]
             fp8_handle.reset()
@@ -79,10 +82,20 @@ def train(model: nn.Module, batches: list[Any], scenario: Scenario,
     return results
 
 
+# Errors a backend raises for its own defect, not the model's: (device type, what the error
+# says) -> what it is (docs/devices.md reduces each to a few lines of torch).
+BACKEND_DEFECTS = {
+    ("lazy", "is not a lazy tensor"): "a defect of the lazy backend, not of the model: an op's "
+    "outputs left the lazy device (torch.unbind's do; x.unbind(0)[0] fails where x[0] works, "
+    "docs/devices.md)",
+}
+
+
 @contextlib.contextmanager
-def user_code(name: str, what: str, step: int) -> Any:
+def user_code(name: str, what: str, step: int, device: torch.device | None = None) -> Any:
     """Turn an exception raised by the user's model code into one clear line (exit 2); the
-    original stays chained for --debug. Our own errors and Ctrl-C pass through untouched."""
+    original stays chained for --debug. Our own errors and Ctrl-C pass through untouched. On
+    ``device``, an error that is a known defect of its backend says so."""
     try:
         yield
     except DriftcheckError:
@@ -92,6 +105,10 @@ def user_code(name: str, what: str, step: int) -> Any:
         msg = lines[0][:300] if lines else ""
         if msg.endswith("raised:") and len(lines) > 1:  # torch.compile's: the reason is below
             msg = f"{msg} {lines[1][:300]}"
+        for (kind, text), defect in BACKEND_DEFECTS.items():
+            if device is not None and device.type == kind and text in msg:
+                raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step} on "
+                                      f"{kind}: {msg}: {defect}") from e
         raise DriftcheckError(f"{name}: {what} raised {type(e).__name__} at step {step}: {msg} "
                               "(fix the model code; --debug shows the traceback)") from e
 

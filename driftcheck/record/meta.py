@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from driftcheck.targets import deferred
+from driftcheck.targets.deferred import DEFERRED_TYPES
+
 
 def floating(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
@@ -205,6 +208,8 @@ def magnitude_sq(m: nn.Module, x: torch.Tensor,
                     except (TypeError, RuntimeError):  # not weak-referenceable, no version
                         pass
             rows = max(x.numel() // k, 1)
+            if x.device.type in DEFERRED_TYPES:  # no dot kernel there: a host fallback, a sync
+                return (sx * sw.to(sx)).sum() / (rows * n_out)
             return torch.dot(sx, sw.to(sx)) / (rows * n_out)
         if isinstance(m, nn.modules.conv._ConvNd) and x.dim() >= 2 and x.shape[1] == m.in_channels:
             # weight (C_out, C_in/g, *kernel); a transposed one's is (C_in, C_out/g, *kernel),
@@ -251,7 +256,7 @@ def tie_profile(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         xs.scatter_(-1, idx.reshape(*idx.shape[:spatial], -1), -math.inf)
         second = fn(xs.reshape(xf.shape), **kw)
         gap = torch.where(torch.isfinite(second), top - second, torch.full_like(top, math.inf))
-        return kink_profile_of(gap.reshape(-1), xf.abs().amax())
+        return kink_profile_of(gap.reshape(-1), xf.abs().max())
 
 
 def kink_profile(x: torch.Tensor, kinks: list[float] | tuple[float, ...] = (0.0,)) -> torch.Tensor:
@@ -262,16 +267,24 @@ def kink_profile(x: torch.Tensor, kinks: list[float] | tuple[float, ...] = (0.0,
         d = xf.abs() if list(kinks) == [0.0] else \
             torch.stack([(xf - c).abs() for c in kinks]).amin(0)
         fin = torch.isfinite(xf)
-        d = torch.where(fin, d, torch.full_like(d, math.nan))
-        return kink_profile_of(d, torch.where(fin, xf.abs(), torch.zeros_like(xf)).amax()
+        d = deferred.where(fin, d, math.nan)
+        return kink_profile_of(d, deferred.where(fin, xf.abs(), 0.0).max()
                                if xf.numel() else xf.new_ones(()))
 
 
 def kink_profile_of(d: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
     """counts[k] = finite distances d <= absmax * 2^-k, k = 0..KINK_BINS (zeros in every bin)."""
     with torch.no_grad():
-        a = torch.where(torch.isfinite(d), d, torch.full_like(d, -1.0))  # -1: left out
+        a = deferred.where(torch.isfinite(d), d, -1.0)  # -1: left out
         m = absmax.clamp(min=torch.finfo(torch.float32).tiny)
+        if d.device.type in DEFERRED_TYPES:
+            # the same counts without frexp (a host fallback there, so a sync): a/m <= 2^-k
+            # compared with each exact power of two
+            r = (a / m).reshape(-1)
+            bounds = torch.pow(2.0, -torch.arange(KINK_BINS + 1, dtype=torch.float32)).to(r.device)
+            kept = (r >= 0).unsqueeze(0)
+            hits = (r.unsqueeze(0) <= bounds.unsqueeze(1)) | (bounds.unsqueeze(1) >= 1.0)
+            return (hits & kept).sum(1)
         mant, exp = torch.frexp(a / m)  # a/m = mant * 2^exp, mant in [0.5, 1)
         # k: the largest with a/m <= 2^-k (a/m in (2^-k-1, 2^-k])
         k = (exp.neg() + (mant == 0.5).to(exp.dtype)).clamp(0, KINK_BINS)

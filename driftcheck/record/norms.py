@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from driftcheck.targets import deferred
+
 
 def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """[mean, max] over normalization groups of (rms / std)^2 of a mean-subtracting norm's input: how
@@ -39,7 +41,10 @@ def norm_gain_sq(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         else:
             return None
         ms = xf.pow(2).mean(dim=dims)
-        var = xf.var(dim=dims, unbiased=False)
+        if xf.device.type in deferred.DEFERRED_TYPES:  # lazy has no var kernel: a host fallback
+            var = (xf - xf.mean(dim=dims, keepdim=True)).pow(2).mean(dim=dims)
+        else:
+            var = xf.var(dim=dims, unbiased=False)
         g = (ms / (var + eps)).clamp(min=1.0).reshape(-1)
         # Groups computed from one stream (a Linear's output channels, attention's tokens) can
         # carry an error of the stream's size: a group far smaller than the rest (a channel of

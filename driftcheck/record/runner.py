@@ -218,6 +218,8 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
             run["compile"] = dict(config.compile or {"backend": "user", "mode": None, "dynamic": None},
                                   **counts, **({"capturable": m.capturable[0]} if m.capturable else {}))
             tracer.findings.extend(found)
+        if tracer.counts is not None:
+            run["lazy"] = tracer.counts.metadata()
         extra = tracer.manifest_extra()
         if tracer.fp8_stats:
             extra["fp8"] = tracer.fp8_stats

@@ -12,6 +12,7 @@ from torch import nn
 from driftcheck.numerics import stats as tstats
 from driftcheck.record.capture import Capture
 from driftcheck.store.keys import sample_key
+from driftcheck.targets import deferred
 
 Owner = tuple[str, str, torch.Tensor]  # (owning module, parameter name, the parameter)
 
@@ -109,7 +110,7 @@ class StateCapture:
                 summary, data = self.capture.take(g, g, mod, "grads", sk, True)
             self.grads[id(p)] = data if summary is None else (g if summary[1] is not None else data, summary)
         else:
-            self.grads[id(p)] = g.clone()
+            self.grads[id(p)] = deferred.copy(g)
 
     def capture_grads(self) -> None:
         """The step's parameter gradients, as phase ``grads``."""

@@ -40,6 +40,7 @@ from driftcheck.record.tapping import GraphTaps, TapGradients
 from driftcheck.record.watch import LOSS_CODE, WatchLog, own_work
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
+from driftcheck.targets import deferred
 
 
 class Tracer:
@@ -90,9 +91,15 @@ class Tracer:
         self.calls = Calls()
         self.selection = Selection(config)
         self.capture = Capture(writer, self.selection, config)
+        # a deferred device (lazy, xla): the step's graph runs at t.step(), counted per step
+        self.counts = deferred.StepCounts(self.device.type) if deferred.is_deferred(self.device) \
+            else None
+        self.capture.deferred = self.counts is not None
         self.state = StateCapture(model, self.capture, self.selection.module, optimizer)
         self.tied_params = tied_parameters(self.names, self.state.owners)
         self.watch = WatchLog(self.calls)
+        if self.counts is not None:  # the watch's graphs are the capture's too
+            self.watch.around = self.counts.own
         self.norms = NormAudit(config.audits, self.capture, self.findings)
         self.tap_grads = TapGradients(self.capture, self.calls, self.selection.module)
         self.backward = BackwardHooks(self.capture, self.calls, self.tap_grads,
@@ -135,10 +142,37 @@ class Tracer:
     def manifest_extra(self) -> dict[str, Any]:
         """What the manifest records besides the entries: the run's findings, and the tied
         parameters (module, param) -> (owner, owner_param), if any."""
-        extra: dict[str, Any] = {"findings": self.findings}
+        extra: dict[str, Any] = {"findings": self.findings + self.sync_findings()}
         if self.tied_params:
             extra["tied_params"] = self.tied_params
         return extra
+
+    def sync_findings(self) -> list[dict[str, Any]]:
+        """``deferred.capture_sync``: the steps of a deferred device in which the capture ran a
+        graph of its own before the step's mark_step (a sync point the untraced run lacks)."""
+        if self.counts is None:
+            return []
+        return [{"kind": "deferred.capture_sync", "severity": "error", "module": "", "step": step,
+                 "message": f"the capture ran {n} graph(s) of its own inside step {step} on the "
+                            f"deferred device {self.device.type!r}: a sync point the untraced run "
+                            "does not have, so the traced step is split into other graphs than "
+                            "the untraced one (--transfer per-capture does this; report it as a "
+                            "driftcheck bug otherwise)",
+                 "details": {"graphs": n, "counts": counts}}
+                for counts, n in zip(self.counts.steps, self.counts.capture_graphs) if n
+                for step in (counts["step"],)]
+
+    def own(self, fn: Any) -> Any:
+        """``fn`` (a hook) with the graphs it runs on a deferred device counted as the capture's."""
+        if self.counts is None:
+            return fn
+        counts = self.counts
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with counts.own():
+                return fn(*args, **kwargs)
+        return run
 
     def logit_watch(self, code: str = "forward") -> Any:
         """A torch function mode to run the forward under: the largest softmax logit of each
@@ -157,21 +191,22 @@ class Tracer:
         for module, name in self.names.items():
             # Each hook is graph code where Dynamo traces it (record/taps.py), eager otherwise.
             self._handles.append(module.register_forward_pre_hook(taps.either(
-                own_work(self.forward.pre_hook(name)),
+                self.own(own_work(self.forward.pre_hook(name))),
                 functools.partial(taps.pre, tid, name), post=False, around=self.compiled),
                 with_kwargs=True))
             self._handles.append(module.register_forward_hook(taps.either(
-                own_work(self.forward.post_hook(name)),
+                self.own(own_work(self.forward.post_hook(name))),
                 functools.partial(taps.post, tid, name, bool(name) or self.config.root_output_grads),
                 post=True, around=self.compiled), with_kwargs=True))
         if self.compiled:  # Dynamo does not guard on hooks: code compiled before they were added
             torch._dynamo.reset()  # would run without them, and code compiled with them outlive them
         for _, (_mod, _leaf, p) in self.state.owners.items():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(own_work(self.state.grad_hook)))
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    self.own(own_work(self.state.grad_hook))))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(
-                own_work(lambda opt, args, kwargs: self.state.after_update())))
+                self.own(own_work(lambda opt, args, kwargs: self.state.after_update()))))
         self.calls.active = True
         if self.compiled:
             self.norms.snapshot(self.graph_taps.by_name)
@@ -217,14 +252,20 @@ class Tracer:
             self._step(loss)
 
     def _step(self, loss: torch.Tensor | None) -> None:
-        if loss is not None:
-            self.record_loss(loss)
-        self.state.capture_grads()
-        if not self.state.updated:
-            self.state.after_update()
-        if self.norms.deferred or self.compiled:
-            self.norms.audit_deferred(self.graph_taps.by_name, self.calls.counts)
+        with self.counts.own() if self.counts is not None else contextlib.nullcontext():
+            if loss is not None:
+                self.record_loss(loss)
+            self.state.capture_grads()
+            if not self.state.updated:
+                self.state.after_update()
+            if self.norms.deferred or self.compiled:
+                self.norms.audit_deferred(self.graph_taps.by_name, self.calls.counts)
+        if self.counts is not None:  # the step's own sync point: its graph, captures included
+            deferred.mark_step(self.device)
+            self.norms.audit_later()
         self.capture.flush()
+        if self.counts is not None:
+            self.counts.end_step(self.capture.step)
         self.backward.remove_node_hooks()
         self.capture.step += 1
         known = self._reset_step()
@@ -299,6 +340,8 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
             counts, found = account.result()
             meta["compile"] = dict(backend="user", mode=None, dynamic=None, **counts)
             tracer.findings.extend(found)
+        if tracer.counts is not None:
+            meta["lazy"] = tracer.counts.metadata()
         meta.update(run or {})
         writer.close(meta, extra=tracer.manifest_extra())
 

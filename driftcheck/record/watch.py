@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.meta import kink_profile_of
+from driftcheck.targets import deferred
 
 # Softmax amplifies the rounding of its logits: a logit x carries u|x| of error, and exp turns
 # it into a relative error u|x| of its weight (attention logits reach 100+). The largest
@@ -38,6 +39,13 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
         from driftcheck.numerics import summary_kernels as k  # numba: imported where it is used
 
         return torch.tensor(k.weighted_absmax(k.flat_view(x), x.shape[-1], LOGIT_SPAN))
+    if x.device.type in deferred.DEFERRED_TYPES:  # no amax/where kernels there: host fallbacks
+        top = x.max(dim=dim, keepdim=True).values.float()
+        fin = torch.isfinite(top)
+        lo = deferred.where(fin, top - LOGIT_SPAN, math.inf)
+        low = deferred.where(x >= lo, x, 0.0).min().float()
+        high = deferred.where(fin, top, 0.0).max()
+        return torch.maximum(torch.maximum(high, -low), torch.zeros_like(high))
     top = x.amax(dim=dim, keepdim=True).float()  # a row holding NaN or +inf keeps nothing
     fin = torch.isfinite(top)
     lo = torch.where(fin, top - LOGIT_SPAN, torch.full_like(top, math.inf))
@@ -187,14 +195,24 @@ class LogitWatch(TorchFunctionMode):
         self.on_logits = on_logits
         self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
         self.on_decision = on_decision
+        self.around: Callable[[], Any] | None = None  # a context around the watch's own work
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.around is None:
+            self._see(func, args, kwargs)
+        else:
+            with self.around():
+                self._see(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _see(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         name = getattr(func, "__name__", None)
         try:
             if name in _SOFTMAX or name == "cross_entropy":
                 x = args[0] if args else kwargs.get("input")
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+                    dim: Any  # an int, or whatever the call was given
                     if name == "cross_entropy":  # its softmax runs over the class dim
                         dim = 1 if x.dim() >= 2 else 0
                     else:
@@ -228,7 +246,6 @@ class LogitWatch(TorchFunctionMode):
                     self.on_rounding(prof)
         except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError):
             pass  # a layout this does not know: the floor goes without the amplification
-        return func(*args, **kwargs)
 
 
 def own_work(fn: Callable) -> Callable:
@@ -252,6 +269,7 @@ class WatchLog:
 
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
+        self.around: Callable[[], Any] | None = None  # the watches' ``around`` (LogitWatch)
         self.reset()
 
     def reset(self) -> None:
@@ -265,8 +283,10 @@ class WatchLog:
 
     def watch(self) -> LogitWatch:
         """A torch function mode that hands what it sees to this log."""
-        return LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
+        mode = LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
                           self.on_host)
+        mode.around = self.around
+        return mode
 
     def _taking(self) -> bool:
         return self.calls.active and not self.calls.replaying

@@ -77,6 +77,14 @@ KIND_HELP: dict[str, tuple[str, str, str]] = {
         "Check that both runs used the same model, config, inputs and steps; look for data-dependent "
         "control flow or device-specific branches in this module.",
     ),
+    "deferred": (
+        "A sync point the capture added",
+        "On a deferred device (lazy, xla) driftcheck's own code ran a graph inside a step: the traced "
+        "step ran as other graphs than the untraced one, so what was measured may not be what runs "
+        "untraced. run.lazy in the manifest counts each step's graphs and the capture's own.",
+        "Record with the default --transfer batched; if it persists, report it as a driftcheck bug "
+        "with the manifest's run.lazy.",
+    ),
     "known": (
         "A known backend defect",
         "The evidence matches a defect backends have shipped (driftcheck/signatures.py): the message "

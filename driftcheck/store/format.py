@@ -61,6 +61,7 @@ FINDING_KINDS = frozenset({
     "alignment.rerouted", "alignment.shape_mismatch",
     "compile.capture_gap", "compile.graph_break", "compile.input_gap", "compile.recompile",
     "compile.regrouped_gradients",
+    "deferred.capture_sync",
     "batchnorm.counter_not_advanced", "batchnorm.counter_wrong", "batchnorm.running_stats_not_updated",
     "batchnorm.running_stats_wrong", "batchnorm.updated_in_eval",
     "inplace.base_not_updated", "inplace.value_mismatch",

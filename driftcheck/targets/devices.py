@@ -1,7 +1,8 @@
 """Devices: parse ``--device``, prepare the process before torch loads, open and describe a device.
 
-Names: ``cpu``, ``cuda``, ``cuda:N``, ``tpu``, ``tpu:N`` (torch_tpu), ``mps``, ``xpu``, and the
-name of any PrivateUse1 backend. Availability goes through ``torch.accelerator``, never the legacy
+Names: ``cpu``, ``cuda``, ``cuda:N``, ``tpu``, ``tpu:N`` (torch_tpu), ``mps``, ``xpu``, ``lazy``
+(PyTorch's lazy-tensor backend, TorchScript-lowered: in every CPU wheel), ``xla`` (torch_xla), and
+the name of any PrivateUse1 backend. Availability goes through ``torch.accelerator``, never the legacy
 per-backend calls: on torch >= 2.11 ``torch.tpu.is_available()`` raises unless
 ``TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=1``.
 
@@ -20,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.targets import deferred
 
 if TYPE_CHECKING:
     import torch
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 TPU_FIX = 'pip install torch-tpu==0.2.0 (Linux x86_64; from a driftcheck checkout: pip install -e ".[tpu]")'
 # Backends that never need an out-of-tree plugin: for them the autoload is switched off.
-BUILTIN_TYPES = ("cpu", "cuda", "mps", "xpu")
-KNOWN_TYPES = ("cpu", "cuda", "tpu", "mps", "xpu")
+BUILTIN_TYPES = ("cpu", "cuda", "mps", "xpu", "lazy")
+KNOWN_TYPES = ("cpu", "cuda", "tpu", "mps", "xpu", "lazy", "xla")
 # Device types torch knows that cannot run a recorded training step.
 _NOT_COMPUTE = {"meta": "'meta' tensors hold no data", "gpu": "did you mean 'cuda'?"}
 _SPEC = re.compile(r"^([a-z][a-z0-9_]*)(?::(\d+))?$")
@@ -174,17 +176,42 @@ def _check_xpu(index: int | None) -> None:
     _check_index("xpu", index, count, "XPU")
 
 
+def registered_types() -> list[str]:
+    """The device types this torch can run here: its own built backends, the lazy-tensor
+    backend, torch_xla and torch_tpu where installed, a renamed PrivateUse1 backend."""
+    import torch
+
+    found = ["cpu"]
+    found += ["cuda"] if torch.version.cuda is not None or torch.version.hip is not None else []
+    found += ["mps"] if torch.backends.mps.is_built() else []
+    found += ["xpu"] if hasattr(torch, "xpu") and torch.xpu._is_compiled() else []
+    found += ["lazy"] if deferred.lazy_available() else []
+    found += ["xla"] if importlib.util.find_spec("torch_xla") is not None else []
+    found += ["tpu"] if torch_tpu_version() is not None else []
+    renamed = torch._C._get_privateuse1_backend_name()
+    return found + ([renamed] if renamed not in ("privateuseone", *found) else [])
+
+
 def _check_privateuse1(device_type: str, index: int | None) -> None:
     import torch
 
     registered = torch._C._get_privateuse1_backend_name()
     if device_type != registered:
-        known = ", ".join(KNOWN_TYPES)
-        extra = "" if registered == "privateuseone" else f" or the PrivateUse1 backend {registered!r}"
-        raise DriftcheckError(f"unknown device type {device_type!r}: use {known}{extra}")
+        raise DriftcheckError(f"unknown device type {device_type!r}: this torch ({torch.__version__}) "
+                              f"has {', '.join(registered_types())}")
     if _current_accelerator_type() != device_type:
         raise DriftcheckError(f"backend {device_type!r} is registered but found no device")
     _check_index(device_type, index, torch.accelerator.device_count(), device_type)
+
+
+def _check_deferred(device_type: str, index: int | None) -> None:
+    if device_type == "lazy" and not deferred.lazy_available():
+        raise DriftcheckError("this torch build has no lazy-tensor backend (torch._lazy.ts_backend): "
+                              "use a CPU or CUDA wheel of torch")
+    deferred.init_backend(device_type)
+    if index not in (None, 0):
+        raise DriftcheckError(f"bad device '{device_type}:{index}': driftcheck runs {device_type} "
+                              f"on its device 0; use '{device_type}'")
 
 
 def open_device(spec: str) -> torch.device:
@@ -214,6 +241,8 @@ def open_device(spec: str) -> torch.device:
         _check_mps(index)
     elif device_type == "xpu":
         _check_xpu(index)
+    elif deferred.is_deferred(device_type):
+        _check_deferred(device_type, index)
     else:
         _check_privateuse1(device_type, index)
     return torch.device(device_type) if index is None else torch.device(device_type, index)
@@ -280,6 +309,8 @@ def describe(device: torch.device) -> dict[str, Any]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         info["name"] = torch.cuda.get_device_name(index)
         info["capability"] = list(torch.cuda.get_device_capability(index))
+    elif device.type == "lazy":
+        info["name"] = "lazy tensors, TorchScript backend (torch._lazy.ts_backend)"
     elif accelerator == device.type:
         # Optional per-backend introspection: torch_tpu's legacy calls raise, so guard them all.
         module = getattr(torch, device.type, None)
