@@ -27,6 +27,7 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks, taps
+from driftcheck.record.aliases import alias_groups
 from driftcheck.record.audits import NormAudit
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.calls import Calls
@@ -92,6 +93,7 @@ class Tracer:
         self.capture = Capture(writer, self.selection, config)
         self.state = StateCapture(model, self.capture, self.selection.module, optimizer)
         self.tied_params = tied_parameters(self.names, self.state.owners)
+        self.aliases = alias_groups(model)  # on the run's device: where a move unties weights
         self.watch = WatchLog(self.calls)
         self.norms = NormAudit(config.audits, self.capture, self.findings)
         self.tap_grads = TapGradients(self.capture, self.calls, self.selection.module)
@@ -133,9 +135,10 @@ class Tracer:
         return self.calls.current_module
 
     def manifest_extra(self) -> dict[str, Any]:
-        """What the manifest records besides the entries: the run's findings, and the tied
-        parameters (module, param) -> (owner, owner_param), if any."""
-        extra: dict[str, Any] = {"findings": self.findings}
+        """What the manifest records besides the entries: the run's findings, the alias
+        structure of its parameters and buffers (always: an empty list is "nothing shared"), and
+        the tied parameters (module, param) -> (owner, owner_param), if any."""
+        extra: dict[str, Any] = {"findings": self.findings, "aliases": self.aliases}
         if self.tied_params:
             extra["tied_params"] = self.tied_params
         return extra

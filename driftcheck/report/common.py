@@ -77,6 +77,16 @@ KIND_HELP: dict[str, tuple[str, str, str]] = {
         "Check that both runs used the same model, config, inputs and steps; look for data-dependent "
         "control flow or device-specific branches in this module.",
     ),
+    "alias": (
+        "Shared parameters and buffers",
+        "Tensors the reference shares (tied weights, a buffer registered twice, a parameter that is a view "
+        "of another) are separate on the target, or the other way round. A tied weight trained as separate "
+        "copies gets only part of its gradient in each: forward and loss can agree while its gradient and "
+        "update diverge. Moving a model to a lazy, XLA or PrivateUse1 device replaces its parameters and "
+        "unties them.",
+        "Tie them again after moving the model to the device: model.tie_weights() for Hugging Face models, "
+        "or assign the shared parameter again (model.lm_head.weight = model.tok_emb.weight).",
+    ),
     "known": (
         "A known backend defect",
         "The evidence matches a defect backends have shipped (driftcheck/signatures.py): the message "

@@ -1,0 +1,99 @@
+"""Aliasing findings: parameters and buffers whose sharing differs between the runs.
+
+Each trace records which of its parameters and buffers are one tensor or share storage on its
+device (manifest ``aliases``, driftcheck/record/aliases.py). Where the reference shares what the
+target keeps apart (tied weights that came apart when the model was moved to a lazy, XLA or
+PrivateUse1 device), the target trains separate copies: forward and loss can stay bitwise equal
+while the tied weight's gradient and update diverge. Traces made before the field existed are
+not judged (nothing to compare)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from driftcheck.gate.report import Finding
+
+KIND = "alias.sharing_differs"
+
+
+def _groups(manifest: dict[str, Any]) -> list[list[str]] | None:
+    got = manifest.get("aliases")
+    if got is None:
+        return None
+    return [list(g["tensors"]) for g in got]
+
+
+def _how(manifest: dict[str, Any]) -> dict[str, str]:
+    """The first name of each group -> "tied" (one tensor) or "storage" (views, shared storage)."""
+    return {g["tensors"][0]: g["how"] for g in manifest.get("aliases") or []}
+
+
+def _group_of(groups: list[list[str]]) -> dict[str, frozenset[str]]:
+    return {n: frozenset(g) for g in groups for n in g}
+
+
+def _components(names: Iterable[frozenset[str]]) -> list[set[str]]:
+    """The differing names, joined wherever a group on either side joins them."""
+    comps: list[set[str]] = []
+    for group in names:
+        touching = [c for c in comps if c & group]
+        merged = set(group).union(*touching)
+        comps = [c for c in comps if not c & group] + [merged]
+    return comps
+
+
+def sharing_findings(ref: dict[str, Any], tgt: dict[str, Any], step: int = 0) -> list[Finding]:
+    """One ``alias.sharing_differs`` finding per set of tensors whose sharing differs between
+    the reference manifest ``ref`` and the target's ``tgt``; none where either lacks the field."""
+    ref_groups, tgt_groups = _groups(ref), _groups(tgt)
+    if ref_groups is None or tgt_groups is None:
+        return []
+    ref_of, tgt_of = _group_of(ref_groups), _group_of(tgt_groups)
+    differing = [ref_of.get(n, frozenset((n,))) | tgt_of.get(n, frozenset((n,)))
+                 for n in sorted(set(ref_of) | set(tgt_of))
+                 if ref_of.get(n, frozenset((n,))) != tgt_of.get(n, frozenset((n,)))]
+    order = [n for g in ref_groups + tgt_groups for n in g]  # the owner (first name) first
+    findings = []
+    for comp in _components(differing):
+        names = sorted(comp, key=order.index)
+        ref_in = [g for g in ref_groups if comp & set(g)]
+        tgt_in = [g for g in tgt_groups if comp & set(g)]
+        # what the reference shares and the target does not (tied weights that came apart)
+        split = any(not ref_of[n] <= tgt_of.get(n, frozenset((n,))) for n in comp if n in ref_of)
+        module = names[0].rpartition(".")[0]
+        findings.append(Finding(
+            KIND, module, step, _message(names, (ref_in, _how(ref)), (tgt_in, _how(tgt)), split),
+            phase="params",
+            details={"tensors": names, "reference": ref_in, "target": tgt_in,
+                     "untied_on_target": split}))
+    return findings
+
+
+Side = tuple[list[list[str]], dict[str, str]]  # one side's groups and how each shares
+
+
+def _sharing(names: list[str], side: Side) -> str:
+    shared, how = side
+    alone = [n for n in names if not any(n in g for g in shared)]
+    parts = [" and ".join(g) + (" are one tensor (tied)" if how.get(g[0]) == "tied" else " share storage")
+             for g in shared]
+    if alone:
+        parts.append(", ".join(alone) + (" is its own tensor" if len(alone) == 1 else " are separate tensors"))
+    return "; ".join(parts)
+
+
+def _message(names: list[str], ref_in: Side, tgt_in: Side, split: bool) -> str:
+    head = (f"the sharing of {', '.join(names)} differs: on the reference {_sharing(names, ref_in)}; "
+            f"on the target {_sharing(names, tgt_in)}. ")
+    if not split:
+        return head + ("The target shares memory the reference keeps apart: a write to one changes the "
+                       "other there. Look for a view the target's backend returns where the reference "
+                       "copies, or a tie the target's code makes on that device only.")
+    owner, *held = next(g for g in ref_in[0] if len(g) > 1)
+    fix = "; ".join(f"model.{h} = model.{owner}" for h in held[:3])
+    return head + ("The target trains them as separate copies, so the gradient and update of the "
+                   "shared tensor diverge from the reference's (forward and loss can still agree). "
+                   "Moving a model to a device without a compatible shallow-copy type (lazy tensors, "
+                   "torch_xla, PrivateUse1 backends) replaces its parameters and unties them. Tie them "
+                   "again after moving the model: `model.tie_weights()` for Hugging Face models, or "
+                   f"assign the shared tensor again (`{fix}`).")
