@@ -16,16 +16,11 @@ from driftcheck.gate.report import Finding
 KIND = "alias.sharing_differs"
 
 
-def _groups(manifest: dict[str, Any]) -> list[list[str]] | None:
+def _groups(manifest: dict[str, Any], how: str) -> list[list[str]] | None:
     got = manifest.get("aliases")
     if got is None:
         return None
-    return [list(g["tensors"]) for g in got]
-
-
-def _how(manifest: dict[str, Any]) -> dict[str, str]:
-    """The first name of each group -> "tied" (one tensor) or "storage" (views, shared storage)."""
-    return {g["tensors"][0]: g["how"] for g in manifest.get("aliases") or []}
+    return [list(g["tensors"]) for g in got if g.get("how") == how]
 
 
 def _group_of(groups: list[list[str]]) -> dict[str, frozenset[str]]:
@@ -44,10 +39,21 @@ def _components(names: Iterable[frozenset[str]]) -> list[set[str]]:
 
 def sharing_findings(ref: dict[str, Any], tgt: dict[str, Any], step: int = 0) -> list[Finding]:
     """One ``alias.sharing_differs`` finding per set of tensors whose sharing differs between
-    the reference manifest ``ref`` and the target's ``tgt``; none where either lacks the field."""
-    ref_groups, tgt_groups = _groups(ref), _groups(tgt)
-    if ref_groups is None or tgt_groups is None:
-        return []
+    the reference manifest ``ref`` and the target's ``tgt``; none where either lacks the field.
+    Tensors that are one tensor on one side only (tied weights) fail the gate: the gradient and
+    update differ for certain. Storage shared on one side only (views) is a warning: it changes
+    the result only where a write through one is meant to reach the other."""
+    findings = []
+    for how in ("tied", "storage"):
+        ref_groups, tgt_groups = _groups(ref, how), _groups(tgt, how)
+        if ref_groups is None or tgt_groups is None:
+            return []
+        findings += _differences(ref_groups, tgt_groups, how, step)
+    return findings
+
+
+def _differences(ref_groups: list[list[str]], tgt_groups: list[list[str]], how: str,
+                 step: int) -> list[Finding]:
     ref_of, tgt_of = _group_of(ref_groups), _group_of(tgt_groups)
     differing = [ref_of.get(n, frozenset((n,))) | tgt_of.get(n, frozenset((n,)))
                  for n in sorted(set(ref_of) | set(tgt_of))
@@ -60,36 +66,38 @@ def sharing_findings(ref: dict[str, Any], tgt: dict[str, Any], step: int = 0) ->
         tgt_in = [g for g in tgt_groups if comp & set(g)]
         # what the reference shares and the target does not (tied weights that came apart)
         split = any(not ref_of[n] <= tgt_of.get(n, frozenset((n,))) for n in comp if n in ref_of)
-        module = names[0].rpartition(".")[0]
         findings.append(Finding(
-            KIND, module, step, _message(names, (ref_in, _how(ref)), (tgt_in, _how(tgt)), split),
-            phase="params",
-            details={"tensors": names, "reference": ref_in, "target": tgt_in,
+            KIND, names[0].rpartition(".")[0], step, _message(names, ref_in, tgt_in, how, split),
+            phase="params", severity="error" if how == "tied" else "warning",
+            details={"tensors": names, "how": how, "reference": ref_in, "target": tgt_in,
                      "untied_on_target": split}))
     return findings
 
 
-Side = tuple[list[list[str]], dict[str, str]]  # one side's groups and how each shares
-
-
-def _sharing(names: list[str], side: Side) -> str:
-    shared, how = side
+def _sharing(names: list[str], shared: list[list[str]], how: str) -> str:
     alone = [n for n in names if not any(n in g for g in shared)]
-    parts = [" and ".join(g) + (" are one tensor (tied)" if how.get(g[0]) == "tied" else " share storage")
+    parts = [" and ".join(g) + (" are one tensor (tied)" if how == "tied" else " share storage")
              for g in shared]
     if alone:
         parts.append(", ".join(alone) + (" is its own tensor" if len(alone) == 1 else " are separate tensors"))
     return "; ".join(parts)
 
 
-def _message(names: list[str], ref_in: Side, tgt_in: Side, split: bool) -> str:
-    head = (f"the sharing of {', '.join(names)} differs: on the reference {_sharing(names, ref_in)}; "
-            f"on the target {_sharing(names, tgt_in)}. ")
+def _message(names: list[str], ref_in: list[list[str]], tgt_in: list[list[str]], how: str,
+             split: bool) -> str:
+    head = (f"the sharing of {', '.join(names)} differs: on the reference {_sharing(names, ref_in, how)}; "
+            f"on the target {_sharing(names, tgt_in, how)}. ")
+    if how == "storage":
+        return head + ("A write through one of them no longer reaches the other on the "
+                       f"{'target' if split else 'reference'} (views of one buffer, or parameters "
+                       "carved out of one flat buffer, moved tensor by tensor). A warning: it changes "
+                       "the result only where code relies on that write; make the views again after "
+                       "moving the model, or do not rely on them.")
     if not split:
-        return head + ("The target shares memory the reference keeps apart: a write to one changes the "
-                       "other there. Look for a view the target's backend returns where the reference "
-                       "copies, or a tie the target's code makes on that device only.")
-    owner, *held = next(g for g in ref_in[0] if len(g) > 1)
+        return head + ("The target trains as one tensor what the reference keeps apart: their "
+                       "gradients are summed there. Look for a tie the target's code makes on that "
+                       "device only.")
+    owner, *held = next(g for g in ref_in if len(g) > 1)
     fix = "; ".join(f"model.{h} = model.{owner}" for h in held[:3])
     return head + ("The target trains them as separate copies, so the gradient and update of the "
                    "shared tensor diverge from the reference's (forward and loss can still agree). "

@@ -34,9 +34,10 @@ def _storage(t: torch.Tensor) -> tuple[str, int] | None:
 
 def alias_groups(model: nn.Module) -> list[dict[str, Any]]:
     """The parameters and buffers (dotted names, ``named_parameters``/``named_buffers`` order,
-    parameters first) that share memory, one group each: ``{"tensors": [...], "how": "tied"}``
-    where all are one tensor, ``"storage"`` where some are views of another or share its storage.
-    Only groups of two or more; an empty list where nothing is shared."""
+    parameters first) that share memory: ``{"tensors": [...], "how": "tied"}`` for names that
+    are one tensor (tied weights, a buffer registered twice), ``"storage"`` for two or more
+    distinct tensors that are views of one another or share a storage (a name can be in one group
+    of each kind). An empty list where nothing is shared."""
     named: list[tuple[str, torch.Tensor]] = [
         *model.named_parameters(remove_duplicate=False),
         *((n, b) for n, b in model.named_buffers(remove_duplicate=False) if b is not None)]
@@ -57,13 +58,12 @@ def alias_groups(model: nn.Module) -> list[dict[str, Any]]:
                 parent[find(i)] = find(seen[key])
             else:
                 seen[key] = i
-    groups: dict[int, list[int]] = {}
-    for i in range(len(named)):
-        groups.setdefault(find(i), []).append(i)
-    out = []
-    for idxs in sorted(groups.values()):
-        if len(idxs) < 2:
-            continue
-        same = len({id(named[i][1]) for i in idxs}) == 1
-        out.append({"tensors": [named[i][0] for i in idxs], "how": "tied" if same else "storage"})
+    tied: dict[int, list[str]] = {}
+    storage: dict[int, list[int]] = {}
+    for i, (name, t) in enumerate(named):
+        tied.setdefault(id(t), []).append(name)
+        storage.setdefault(find(i), []).append(i)
+    out = [{"tensors": names, "how": "tied"} for names in tied.values() if len(names) > 1]
+    out += [{"tensors": [named[i][0] for i in idxs], "how": "storage"} for idxs in storage.values()
+            if len({id(named[i][1]) for i in idxs}) > 1]
     return out

@@ -96,6 +96,20 @@ def test_sharing_findings_table(ref, tgt, names, untied) -> None:
         assert f.module == names[0].rpartition(".")[0]
 
 
+def test_storage_sharing_is_a_warning() -> None:
+    """Views of one buffer moved tensor by tensor: a warning (it matters only where a write
+    through one is meant to reach the other), apart from the tied weights' error."""
+    ref = {"aliases": [{"tensors": ["e.weight", "h.weight"], "how": "tied"},
+                       {"tensors": ["vb", "vv"], "how": "storage"}]}
+    tgt = {"aliases": [{"tensors": ["e.weight", "h.weight"], "how": "tied"}]}
+    (f,) = sharing_findings(ref, tgt)
+    assert f.severity == "warning" and f.details["how"] == "storage" and f.details["tensors"] == ["vb", "vv"]
+    assert "share storage" in f.message and f.module == ""
+    assert not Policy.default().fails_gate(f)
+    (f,) = sharing_findings(ref, {"aliases": []}, step=3)[:1]
+    assert f.severity == "error" and f.step == 3 and Policy.default().fails_gate(f)
+
+
 @pytest.mark.parametrize("ref, tgt", [
     (_m(("a", "b")), _m(("a", "b"))),
     (_m(("a", "b"), ("c", "d")), _m(("c", "d"), ("a", "b"))),
