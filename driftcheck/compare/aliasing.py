@@ -105,3 +105,21 @@ def _message(names: list[str], ref_in: list[list[str]], tgt_in: list[list[str]],
                    "torch_xla, PrivateUse1 backends) replaces its parameters and unties them. Tie them "
                    "again after moving the model: `model.tie_weights()` for Hugging Face models, or "
                    f"assign the shared tensor again (`{fix}`).")
+
+
+def explain_extras(findings: list[Finding], untying: list[Finding]) -> None:
+    """The target's own entries of a tensor it untied (the head's weight, its gradient and
+    optimizer state, recorded apart from the embedding there) are no alignment defect of their
+    own: each such ``alignment.extra_in_target`` finding says so and becomes a warning."""
+    held: dict[str, list[str]] = {}
+    for f in untying:
+        if f.severity == "error" and (f.details or {}).get("untied_on_target"):
+            for name in f.details["tensors"][1:]:
+                mod, _, leaf = name.rpartition(".")
+                held.setdefault(mod, []).append(leaf)
+    for f in findings:
+        if f.kind == "alignment.extra_in_target" and f.module in held:
+            names = ", ".join(f"{f.module}.{leaf}" if f.module else leaf for leaf in held[f.module])
+            f.severity = "warning"
+            f.message += (f": {names} is a tensor of its own on the target, recorded apart "
+                          f"from the one it is tied to on the reference ({KIND})")

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from driftcheck.compare.aliasing import sharing_findings
+from driftcheck.compare.aliasing import explain_extras, sharing_findings
 from driftcheck.compare.entries import TraceEntry, gradient_slot
 from driftcheck.compare.index import Call
 from driftcheck.compare.propagation import Propagated
@@ -141,7 +141,9 @@ class Findings:
                 finding.details = dict(finding.details or {}, side=side)
                 self.log.add(finding)
         first = min((e.get("step", 0) for e in self.ref.manifest.get("entries") or []), default=0)
-        self.log.extend(sharing_findings(self.ref.manifest, self.tgt.manifest, first))
+        untying = sharing_findings(self.ref.manifest, self.tgt.manifest, first)
+        explain_extras(self.log.items, untying)
+        self.log.extend(untying)
         self.fp8()
         ref_ev = self.ref.manifest.get("view_events")
         tgt_ev = self.tgt.manifest.get("view_events")
