@@ -170,6 +170,10 @@ def _tied_bad(m: dict) -> None:
     m["tied_params"] = [{"module": "head", "param": "weight", "owner": ["emb"], "owner_param": "weight"}]
 
 
+def _aliases_bad(m: dict) -> None:
+    m["aliases"] = [{"tensors": ["emb.weight"], "how": "tied"}]
+
+
 def _incomplete(d: Path) -> None:
     (d / "manifest.json").unlink()
     (d / "INCOMPLETE").write_text("record did not finish: KeyboardInterrupt: \n")
@@ -437,6 +441,8 @@ CASES = [
     Case("findings of the wrong type", mutate=_edit(_findings_bad), needle="finding 0 is malformed",
          group="manifest"),
     Case("tied parameters of the wrong type", mutate=_edit(_tied_bad), needle="'tied_params'",
+         group="manifest"),
+    Case("an alias group of the wrong form", mutate=_edit(_aliases_bad), needle="'aliases'",
          group="manifest"),
     Case("manifest that is a symlink", mutate=_symlink_manifest, needle="symbolic link",
          group="manifest"),

@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from driftcheck.compare.aliasing import explain_extras, sharing_findings
 from driftcheck.compare.entries import TraceEntry, gradient_slot
 from driftcheck.compare.index import Call
 from driftcheck.compare.propagation import Propagated
@@ -126,8 +127,9 @@ class Findings:
                          "missing_on": "neither: an input returned as an output"}))
 
     def of_traces(self, errors: Mapping[TraceKey, Propagated]) -> None:
-        """The findings each trace recorded (the reference's as warnings), its fp8 casts, and
-        its view events against the other's (within ``errors``' drift)."""
+        """The findings each trace recorded (the reference's as warnings), parameters and
+        buffers whose sharing differs, its fp8 casts, and its view events against the other's
+        (within ``errors``' drift)."""
         for side, reader in (("target", self.tgt), ("reference", self.ref)):
             for f in reader.manifest.get("findings", []) or []:
                 if not isinstance(f, dict) or "kind" not in f:
@@ -138,6 +140,10 @@ class Findings:
                     finding.message = "the reference run itself: " + finding.message
                 finding.details = dict(finding.details or {}, side=side)
                 self.log.add(finding)
+        first = min((e.get("step", 0) for e in self.ref.manifest.get("entries") or []), default=0)
+        untying = sharing_findings(self.ref.manifest, self.tgt.manifest, first)
+        explain_extras(self.log.items, untying)
+        self.log.extend(untying)
         self.fp8()
         ref_ev = self.ref.manifest.get("view_events")
         tgt_ev = self.tgt.manifest.get("view_events")

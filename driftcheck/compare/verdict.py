@@ -130,8 +130,9 @@ def _decided_by(entries: list[Entry], gate_findings: list[Finding], first: Entry
             f"{worst:.3g} <= {limit:g}) and no finding fails the gate")
 
 
-# Findings that name a defect for certain (inplace.value_mismatch compares values, which drift)
-SEMANTIC = ("batchnorm.", "view.", "inplace.base_not_updated")
+# Findings that name a defect for certain (inplace.value_mismatch compares values, which drift;
+# alias.sharing_differs: tied weights trained as separate copies)
+SEMANTIC = ("batchnorm.", "view.", "inplace.base_not_updated", "alias.")
 
 
 def _semantic_cause(findings: list[Finding], first: Entry | None) -> Finding | None:

@@ -42,7 +42,7 @@ DEFAULT_LIMIT = 3.5
 # Findings that fail the gate unless the policy says otherwise (severity "error" kinds);
 # ``precision.*`` findings are warnings: a precision setting that differs explains drift,
 # it is not a defect by itself.
-DEFAULT_FAIL_ON = ("batchnorm", "view", "inplace", "nonfinite", "alignment", "compile")
+DEFAULT_FAIL_ON = ("batchnorm", "view", "inplace", "nonfinite", "alignment", "compile", "alias")
 FILE_NAME = "driftcheck.toml"
 
 _TOP_KEYS = {"limit", "steps", "fail_on", "module", "overrides", "ignore", "min_entries"}

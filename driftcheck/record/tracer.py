@@ -27,6 +27,7 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks, taps
+from driftcheck.record.aliases import alias_groups
 from driftcheck.record.audits import NormAudit
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.calls import Calls
@@ -97,6 +98,7 @@ class Tracer:
         self.capture.deferred = self.counts is not None
         self.state = StateCapture(model, self.capture, self.selection.module, optimizer)
         self.tied_params = tied_parameters(self.names, self.state.owners)
+        self.aliases = alias_groups(model)  # on the run's device: where a move unties weights
         self.watch = WatchLog(self.calls)
         if self.counts is not None:  # the watch's graphs are the capture's too
             self.watch.around = self.counts.own
@@ -140,9 +142,10 @@ class Tracer:
         return self.calls.current_module
 
     def manifest_extra(self) -> dict[str, Any]:
-        """What the manifest records besides the entries: the run's findings, and the tied
-        parameters (module, param) -> (owner, owner_param), if any."""
-        extra: dict[str, Any] = {"findings": self.findings + self.sync_findings()}
+        """What the manifest records besides the entries: the run's findings, the alias
+        structure of its parameters and buffers (always: an empty list is "nothing shared"), and
+        the tied parameters (module, param) -> (owner, owner_param), if any."""
+        extra: dict[str, Any] = {"findings": self.findings + self.sync_findings(), "aliases": self.aliases}
         if self.tied_params:
             extra["tied_params"] = self.tied_params
         return extra

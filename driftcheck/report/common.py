@@ -85,9 +85,19 @@ KIND_HELP: dict[str, tuple[str, str, str]] = {
         "Record with the default --transfer batched; if it persists, report it as a driftcheck bug "
         "with the manifest's run.lazy.",
     ),
+    "alias": (
+        "Shared parameters and buffers",
+        "Tensors the reference shares (tied weights, a buffer registered twice, a parameter that is a view "
+        "of another) are separate on the target, or the other way round. A tied weight trained as separate "
+        "copies gets only part of its gradient in each: forward and loss can agree while its gradient and "
+        "update diverge. Moving a model to a lazy, XLA or PrivateUse1 device replaces its parameters and "
+        "unties them.",
+        "Tie them again after moving the model to the device: model.tie_weights() for Hugging Face models, "
+        "or assign the shared parameter again (model.lm_head.weight = model.tok_emb.weight).",
+    ),
     "known": (
         "A known backend defect",
-        "The evidence matches a defect backends have shipped (driftcheck/signatures.py): the message "
+        "The evidence matches a defect backends have shipped (driftcheck/gate/signatures.py): the message "
         "names it and says why it matches.",
         "Apply the workaround the message gives, and attach the drill-down's repro (drill/repro/) to a bug "
         "report against the backend.",

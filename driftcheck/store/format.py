@@ -59,6 +59,7 @@ MODES = ("full", "stats", "auto")
 FINDING_KINDS = frozenset({
     "alignment.dtype_mismatch", "alignment.extra_in_target", "alignment.missing_in_target",
     "alignment.rerouted", "alignment.shape_mismatch",
+    "alias.sharing_differs",
     "compile.capture_gap", "compile.graph_break", "compile.input_gap", "compile.recompile",
     "compile.regrouped_gradients",
     "deferred.capture_sync",
@@ -87,6 +88,10 @@ def kind_matches(kind: str, pattern: str) -> bool:
 # A tied parameter: ``module`` holds ``param``, which ``owner`` owns as ``owner_param`` (where
 # it is captured); optional manifest field ``tied_params``, a list of these.
 TIED_FIELDS = ("module", "param", "owner", "owner_param")
+# The alias structure (optional manifest field ``aliases``; absent in traces made before it):
+# groups of parameters and buffers, by dotted name, that are one tensor ("tied") or share
+# storage ("storage") on the run's device (driftcheck/record/aliases.py).
+ALIAS_HOW = ("tied", "storage")
 
 
 class FormatError(ValueError):
@@ -135,6 +140,7 @@ def validate_manifest(m: Any) -> dict[str, Any]:
             type(t) is dict and all(type(t.get(k)) is str for k in TIED_FIELDS) for t in tied)):
         raise FormatError("manifest field 'tied_params' is not a list of objects with string "
                           f"fields {', '.join(TIED_FIELDS)}")
+    _check_aliases(m.get("aliases"))
     for shard, size in m["shards"].items():
         check_shard_name(shard)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -183,6 +189,16 @@ def validate_manifest(m: Any) -> dict[str, Any]:
             raise FormatError(f"manifest entry {i} repeats key {e['key']!r}")
         seen.add(k)
     return m
+
+
+def _check_aliases(aliases: Any) -> None:
+    if aliases is None:
+        return
+    if not (isinstance(aliases, list) and all(
+            type(g) is dict and g.get("how") in ALIAS_HOW and isinstance(g.get("tensors"), list)
+            and len(g["tensors"]) >= 2 and all(type(n) is str for n in g["tensors"]) for g in aliases)):
+        raise FormatError("manifest field 'aliases' is not a list of objects with 'tensors' (two or "
+                          f"more names) and 'how' ({' or '.join(ALIAS_HOW)})")
 
 
 def _is_int(v: Any) -> bool:
