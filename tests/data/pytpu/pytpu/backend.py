@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ MATMULS = {
     "aten::convolution": (0, 1), "aten::convolution_backward": (0, 1, 2),
 }
 counts: dict[str, int] = {}  # matmul-like ops computed in one bf16 pass, by name
+# PYTPU_MATMUL=fp32: matmuls as the CPU computes them (a control: the backend's other kernels are
+# the CPU's, so such a target must match a CPU reference bitwise up to reduction order)
+ONE_BF16_PASS = os.environ.get("PYTPU_MATMUL", "bf16").strip().lower() != "fp32"
 
 
 def _prune() -> None:
@@ -102,7 +106,7 @@ def _kernel(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
         return int(torch.nn.attention.SDPBackend.MATH)  # attention as matmuls: one bf16 pass each
     flat_in = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_ours(a)]
     raw_args, raw_kwargs = tree_map(_unwrap, (args, kwargs))
-    if name in MATMULS:
+    if name in MATMULS and ONE_BF16_PASS:
         counts[name] = counts.get(name, 0) + 1
         raw_args = [_bf16_pass(a) if i in MATMULS[name] else a for i, a in enumerate(raw_args)]
     out = op(*raw_args, **raw_kwargs)
@@ -176,7 +180,8 @@ class _Module:
         pass
 
     def get_device_name(self, index: int = 0) -> str:
-        return "pytpu (CPU kernels, fp32 matmuls in one bf16 pass)"
+        matmuls = "fp32 matmuls in one bf16 pass" if ONE_BF16_PASS else "fp32 matmuls as the CPU's"
+        return f"pytpu (CPU kernels, {matmuls})"
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         return [torch.bfloat16]
