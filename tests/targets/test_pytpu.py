@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import DATA, ENV, assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
