@@ -197,7 +197,8 @@ def _side_process(trace: Any, ref: Any, point: Any, out: Path, ref_ops: Path | N
     proc = subprocess.run([sys.executable, "-m", "driftcheck.drill.side", str(path)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        msg = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        died = f"(no message; exit status {proc.returncode})"
+        msg = (proc.stderr.strip().splitlines() or [died])[-1]
         msg = msg.removeprefix("driftcheck: ").removeprefix("drill: ")
         raise DriftcheckError(f"the {label} side of the drill failed: {msg}")
 
@@ -207,7 +208,11 @@ def side_env(run: dict[str, Any]) -> dict[str, str]:
     ``run.env`` on top; a CPU/CUDA side never autoloads a backend package."""
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (run.get("env") or {}).items()})
-    if str(run.get("device_type", "cpu")) in ("cpu", "cuda") and "TORCH_DEVICE_BACKEND_AUTOLOAD" \
-            not in (run.get("env") or {}):
-        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    if "TORCH_DEVICE_BACKEND_AUTOLOAD" not in (run.get("env") or {}):
+        if str(run.get("device_type", "cpu")) in ("cpu", "cuda"):
+            env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+        else:
+            # tpu or another backend package's device needs the autoload, which this process
+            # (having opened a CPU device itself) may have switched off
+            env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
     return env

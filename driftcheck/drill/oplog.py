@@ -11,6 +11,7 @@ run's input tensors, cast to this run's dtypes: the op's local output.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import linecache
@@ -69,10 +70,10 @@ class OpRecord:
         return f"{self.phase}|{self.packet}|{self.out_shapes}"
 
     def meta(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("inputs", "outputs", "local"):
-            d.pop(k)
-        return d
+        # never through asdict: it deep-copies the tensors too (a device copy per op, and a
+        # crash on a backend whose storages cannot be copied, as a PrivateUse1 backend made in Python)
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in ("inputs", "outputs", "local")}
 
 
 # -- argument encoding ---------------------------------------------------------------------------

@@ -163,8 +163,15 @@ def check(sides: Sides) -> None:
             # torch's own devices are checked now, not after minutes of recording the reference
             devices.prepare_environment(dev_type)
             devices.open_device(spec)
-        elif dev_type == "tpu" and devices.torch_tpu_version() is None:
+        elif (dev_type == "tpu" and devices.torch_tpu_version() is None
+              and not devices.backend_entry_points(side_env(sides, spec).get("PYTHONPATH"))):
+            # no torch_tpu and no backend that could register "tpu" in that side's process
             raise DriftcheckError(f"device 'tpu' needs torch_tpu: {devices.TPU_FIX}")
+
+
+def side_env(sides: Sides, spec: str) -> dict[str, str]:
+    """The environment variables of the side that runs on ``spec`` (the target's when both do)."""
+    return sides.target_env if spec == sides.target else sides.reference_env
 
 
 PROGRESS_VAR = "DRIFTCHECK_PROGRESS"  # "lines": record prints PROGRESS_PREFIX i/n on stderr

@@ -95,6 +95,32 @@ def torch_tpu_version() -> str | None:
     return "unknown" if importlib.util.find_spec("torch_tpu") is not None else None
 
 
+def backend_entry_points(extra_path: str | None = None) -> list[str]:
+    """The ``torch.backends`` entry points ``import torch`` would autoload, as ``name = value``;
+    ``extra_path``: a PYTHONPATH searched before ``sys.path`` (a side's own). Never imports them."""
+    path = [p for p in (extra_path or "").split(os.pathsep) if p] + sys.path
+    found = []
+    for dist in importlib.metadata.distributions(path=path):
+        for entry in dist.entry_points:
+            if entry.group == "torch.backends":
+                found.append(f"{entry.name} = {entry.value} ({dist.metadata['Name']} {dist.version})")
+    return sorted(set(found))
+
+
+def privateuse1_backend() -> dict[str, Any] | None:
+    """The PrivateUse1 backend registered in this process: its name and the module that
+    implements ``torch.<name>`` (torch_tpu's, or another package's), or None."""
+    import torch
+
+    name = torch._C._get_privateuse1_backend_name()
+    if name == "privateuseone":
+        return None
+    module = getattr(torch, name, None)
+    owner = getattr(module, "__name__", None) if isinstance(module, type(sys)) else (
+        type(module).__module__ if module is not None else None)
+    return {"name": name, "module": owner, "entry_points": backend_entry_points()}
+
+
 def torch_tpu_loaded() -> bool:
     """Whether torch_tpu has been imported into this process (by autoload or by hand)."""
     return "torch_tpu" in sys.modules
@@ -139,6 +165,10 @@ def _check_tpu(index: int | None) -> None:
     import torch
 
     if torch_tpu_version() is None:
+        if torch._C._get_privateuse1_backend_name() == "tpu":
+            # another package's PrivateUse1 backend named "tpu" (not torch_tpu): describe() names it
+            _check_privateuse1("tpu", index)
+            return
         raise DriftcheckError(f"device 'tpu' needs torch_tpu: {TPU_FIX}")
     if _autoload_disabled() and not torch_tpu_loaded():
         raise DriftcheckError(
@@ -302,6 +332,7 @@ def describe(device: torch.device) -> dict[str, Any]:
             else None,
             "torch_tpu": torch_tpu_version(),
         },
+        "privateuse1": privateuse1_backend(),
     }
     if device.type == "cpu":
         info["name"] = _cpu_name()

@@ -118,7 +118,7 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
     env = {key: value for key, value in sorted(os.environ.items())
            if key.startswith("TORCH_TPU_") or key in _ENV_NAMES}
     tpu_mode = None
-    if device.type == "tpu":
+    if device.type == "tpu" and devices.torch_tpu_loaded():  # another "tpu" backend has no such mode
         fused = _truthy(os.environ.get("TORCH_TPU_DEFER_AND_FUSE"))
         tpu_mode = "defer_and_fuse" if fused else "eager"
     device_info = devices.describe(device)

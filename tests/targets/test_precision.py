@@ -63,6 +63,7 @@ def test_capture_settings_requested_precision() -> None:
 def test_tpu_execution_mode(monkeypatch: pytest.MonkeyPatch, value: str | None, mode: str) -> None:
     # A TPU device cannot be made here: describe() is faked, the rest is the real capture.
     monkeypatch.setattr(precision.devices, "describe", lambda device: {"type": device.type})
+    monkeypatch.setattr(precision.devices, "torch_tpu_loaded", lambda: True)
     if value is None:
         monkeypatch.delenv("TORCH_TPU_DEFER_AND_FUSE", raising=False)
     else:
@@ -73,6 +74,18 @@ def test_tpu_execution_mode(monkeypatch: pytest.MonkeyPatch, value: str | None, 
 
     settings = capture_settings(FakeTpu(), torch.float32)  # type: ignore[arg-type]
     assert settings["tpu_execution_mode"] == mode
+
+
+def test_no_tpu_execution_mode_for_another_backend_named_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a "tpu" that is not torch_tpu (tests/data/pytpu) has no torch_tpu mode to record
+    monkeypatch.setattr(precision.devices, "describe", lambda device: {"type": device.type})
+    monkeypatch.setenv("TORCH_TPU_DEFER_AND_FUSE", "1")
+
+    class FakeTpu:
+        type = "tpu"
+
+    settings = capture_settings(FakeTpu(), torch.float32)  # type: ignore[arg-type]
+    assert settings["tpu_execution_mode"] is None and settings["torch_tpu_loaded"] is False
 
 
 def test_apply_settings_returns_previous_values(restore_torch_settings) -> None:
