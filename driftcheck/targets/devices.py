@@ -28,7 +28,11 @@ AUTOLOAD_VAR = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 TPU_FIX = 'pip install torch-tpu==0.2.0 (Linux x86_64; from a driftcheck checkout: pip install -e ".[tpu]")'
 # Backends that never need an out-of-tree plugin: for them the autoload is switched off.
 BUILTIN_TYPES = ("cpu", "cuda", "mps", "xpu")
-KNOWN_TYPES = ("cpu", "cuda", "tpu", "mps", "xpu")
+KNOWN_TYPES = ("cpu", "cuda", "tpu", "mps", "xpu", "lazy")
+# Backends that ship inside torch and must be started before their device string works.
+_IN_TREE = {"lazy": "PyTorch's lazy-tensor backend (TorchScript), torch._lazy"}
+_STARTED: set[str] = set()
+_NO_STORAGE = frozenset({"lazy", "xla"})
 # Device types torch knows that cannot run a recorded training step.
 _NOT_COMPUTE = {"meta": "'meta' tensors hold no data", "gpu": "did you mean 'cuda'?"}
 _SPEC = re.compile(r"^([a-z][a-z0-9_]*)(?::(\d+))?$")
@@ -66,12 +70,12 @@ def parse_device(spec: str) -> tuple[str, int | None]:
 def prepare_environment(device_type: str) -> None:
     """Set the environment for a run on ``device_type``; call it before ``import torch``.
 
-    For ``cpu``/``cuda``/``mps``/``xpu`` this sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` unless the
+    For ``cpu``/``cuda``/``mps``/``xpu``/``lazy`` this sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` unless the
     user already set it, so that an installed torch_tpu is not loaded into the process: it would
     change the fp32 matmul precision of the reference, and an incomplete install makes
     ``import torch`` fail. ``tpu`` and other PrivateUse1 backends need the autoload and keep it.
     """
-    if device_type in BUILTIN_TYPES:
+    if device_type in BUILTIN_TYPES or device_type in _IN_TREE:
         os.environ.setdefault(AUTOLOAD_VAR, "0")
     else:
         # torch_tpu's import prints INFO lines from libtpu's C++ logging and a tcmalloc
@@ -187,6 +191,33 @@ def _check_privateuse1(device_type: str, index: int | None) -> None:
     _check_index(device_type, index, torch.accelerator.device_count(), device_type)
 
 
+def init_backend(device_type: str) -> bool:
+    """Start an in-tree backend that needs it (``lazy``: ``torch._lazy.ts_backend.init()``, once
+    per process); whether ``device_type`` is one of them.
+
+    Example:
+        >>> init_backend("lazy")
+        True
+    """
+    if device_type not in _IN_TREE:
+        return False
+    import torch._lazy
+    import torch._lazy.ts_backend
+
+    if device_type not in _STARTED:  # init() must run once per process
+        torch._lazy.ts_backend.init()
+        _STARTED.add(device_type)
+    return True
+
+
+def storage_inspectable(device_type: str) -> bool:
+    """Whether tensors of ``device_type`` have a storage whose identity, strides and offset mean
+    what they do on CPU. Not on ``lazy`` (and torch_xla's ``xla``): views are functionalized
+    there, strides are those of a contiguous tensor, and asking a lazy tensor for its storage
+    raises, or inside the autograd engine crashes the process."""
+    return device_type not in _NO_STORAGE
+
+
 def open_device(spec: str) -> torch.device:
     """Check that ``spec`` can run here and return its ``torch.device``.
 
@@ -214,6 +245,8 @@ def open_device(spec: str) -> torch.device:
         _check_mps(index)
     elif device_type == "xpu":
         _check_xpu(index)
+    elif init_backend(device_type):
+        _check_index(device_type, index, 1, _IN_TREE[device_type])
     else:
         _check_privateuse1(device_type, index)
     return torch.device(device_type) if index is None else torch.device(device_type, index)
