@@ -38,8 +38,9 @@ from driftcheck import nested
 from driftcheck.audit import fingerprint as fp, writes
 from driftcheck.gate.report import Finding
 from driftcheck.numerics import dtypes
+from driftcheck.targets import devices
 
-__all__ = ["ViewAudit", "compare_events"]
+__all__ = ["ViewAudit", "compare_events", "not_observed"]
 
 
 
@@ -92,7 +93,7 @@ class ViewAudit(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         kind = _kind(func)
-        if self._paused or kind is None or not self._inspectable(args):
+        if self._paused or not self._inspectable(args) or kind is None:
             return func(*args, **kwargs)
         step = self._step_of() if self._step_of is not None else 0
         module = self._module_of()
@@ -134,24 +135,12 @@ class ViewAudit(TorchDispatchMode):
             return True
         kind = first.device.type
         if kind not in self._storage:
-            self._storage[kind] = kind == "meta" or _has_storage(first)
+            self._storage[kind] = devices.storage_inspectable(kind)
         return self._storage[kind]
 
     def unobservable(self) -> Finding | None:
-        """A ``view.audit_unobservable`` warning if ops ran on tensors without inspectable storage
-        (``lazy``: functionalized below this mode, views arrive as ``*_copy`` ops and writes
-        through views as ``*_scatter``); those ops were not recorded. None if all were seen."""
-        hidden = sorted(k for k, seen in self._storage.items() if not seen)
-        if not hidden:
-            return None
-        return Finding(
-            kind="view.audit_unobservable", module="", step=None, severity="warning",
-            message=(f"the view audit could not observe the ops on {', '.join(hidden)}: their "
-                     "tensors have no storage to inspect (a functionalizing backend: view ops "
-                     "reach the audit as *_copy ops, writes through views as *_scatter), so no "
-                     "view/in-place finding can come from them; run `driftcheck probe --device "
-                     f"{hidden[0]}` to check the backend's view semantics by values"),
-            details={"devices": hidden})
+        """``not_observed`` for the device types whose ops ran unrecorded, or None."""
+        return not_observed(sorted(k for k, seen in self._storage.items() if not seen))
 
     def _event(self, step: int, module: str, func: Any, kind: str, arg: str,
                t: torch.Tensor) -> dict[str, Any]:
@@ -161,6 +150,21 @@ class ViewAudit(TorchDispatchMode):
                  "arg": arg, "dtype": str(t.dtype).removeprefix("torch."), **_layout(t)}
         self._events.append(event)
         return event
+
+
+def not_observed(device_types: list[str]) -> Finding | None:
+    """The ``view.audit_unobservable`` warning for devices the audit cannot see (None if none):
+    their tensors have no storage to inspect (``devices.storage_inspectable``)."""
+    if not device_types:
+        return None
+    return Finding(
+        kind="view.audit_unobservable", module="", step=None, severity="warning",
+        message=(f"the view audit does not apply on {', '.join(device_types)}: its tensors have no "
+                 "storage to inspect and its views are functionalized (view ops run as *_copy, "
+                 "writes through views as *_scatter), and a dispatch mode there breaks the "
+                 "backward; no view/in-place finding comes from this run: check the backend with "
+                 f"`driftcheck probe --device {device_types[0]}`"),
+        details={"devices": device_types})
 
 
 def compare_events(
@@ -328,14 +332,6 @@ def _base_of(t: torch.Tensor) -> torch.Tensor | None:
         return None  # not a view of anything: it is all of its storage
     # ``.data`` of a view, ``set_``: a partial window on a storage with no autograd base.
     return t.new_empty(0).set_(t.untyped_storage(), 0, (whole,), (1,))
-
-
-def _has_storage(t: torch.Tensor) -> bool:
-    try:
-        t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
