@@ -13,7 +13,9 @@ an op adds, drops or reorders have none, and are not judged) and names what the 
 - ``inplace.value_mismatch``: a write through a view left the base with other values although
   both sides aliased and the bases agreed before it (exactly for integer and bool tensors);
 - ``view.layout_mismatch``: the same view op, on an input of the same layout, with the same
-  arguments and output sizes, gave other strides or another offset.
+  arguments and output sizes, gave other strides or another offset;
+- ``view.write_not_through_view``: a write the reference made through a view, the target made
+  into a tensor of its own (its view op returned a copy: audit/writes.py).
 
 Cost: host-side storage checks per op, plus O(numel) reductions of the base for writes through
 views only (float64, or exact int64 for integer/bool tensors), kept on the device (no sync) until
@@ -33,13 +35,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftcheck import nested
+from driftcheck.audit import fingerprint as fp, writes
 from driftcheck.gate.report import Finding
 from driftcheck.numerics import dtypes
+from driftcheck.targets import devices
 
-__all__ = ["ViewAudit", "compare_events"]
+__all__ = ["ViewAudit", "compare_events", "not_observed"]
 
-_WEIGHT_PERIOD = 251  # checksum weights 1 + (i mod 251)/251: position-sensitive, never zero
-_FINGERPRINT = ("sum", "abs_sum", "checksum", "checksum_scale")
 
 
 class ViewAudit(TorchDispatchMode):
@@ -64,6 +66,7 @@ class ViewAudit(TorchDispatchMode):
         self._pending: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]] = []
         self._counts: dict[tuple[int, str], int] = {}
         self._paused = 0
+        self._storage: dict[str, bool] = {}  # device type -> its storage can be inspected
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -79,18 +82,18 @@ class ViewAudit(TorchDispatchMode):
         for event, before, after in self._pending:  # one host transfer per event, done late
             if after is not None:
                 values = after.cpu().tolist()  # floats, or exact ints for integer/bool bases
-                event["value"] = dict(zip(_FINGERPRINT, values))
+                event["value"] = dict(zip(fp.FIELDS, values))
                 if before is not None:
                     old = before.cpu().tolist()
-                    event["value_before"] = dict(zip(_FINGERPRINT, old))
-                    event["base_changed"] = not _same(old, values)
+                    event["value_before"] = dict(zip(fp.FIELDS, old))
+                    event["base_changed"] = not fp.same(old, values)
         self._pending.clear()
         return self._events
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         kind = _kind(func)
-        if self._paused or kind is None:
+        if self._paused or not self._inspectable(args) or kind is None:
             return func(*args, **kwargs)
         step = self._step_of() if self._step_of is not None else 0
         module = self._module_of()
@@ -113,7 +116,7 @@ class ViewAudit(TorchDispatchMode):
             base = _base_of(t)
             aliased = base is not None and _shares(t, base)
             starts.append((name, t, base if aliased else None,
-                           _fingerprint(base) if aliased and base is not None else None, aliased))
+                           fp.fingerprint(base) if aliased and base is not None else None, aliased))
         out = func(*args, **kwargs)
         for name, t, base, before, aliased in starts:
             event = self._event(step, module, func, kind, name, t)
@@ -123,8 +126,21 @@ class ViewAudit(TorchDispatchMode):
             # numeric comparison's business, and skipping them keeps optimizer steps cheap.
             event["value"] = None
             if aliased and base is not None:  # a view's base: aliased says it is there
-                self._pending.append((event, before, _fingerprint(base)))
+                self._pending.append((event, before, fp.fingerprint(base)))
         return out
+
+    def _inspectable(self, args: tuple) -> bool:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            return True
+        kind = first.device.type
+        if kind not in self._storage:
+            self._storage[kind] = devices.storage_inspectable(kind)
+        return self._storage[kind]
+
+    def unobservable(self) -> Finding | None:
+        """``not_observed`` for the device types whose ops ran unrecorded, or None."""
+        return not_observed(sorted(k for k, seen in self._storage.items() if not seen))
 
     def _event(self, step: int, module: str, func: Any, kind: str, arg: str,
                t: torch.Tensor) -> dict[str, Any]:
@@ -134,6 +150,21 @@ class ViewAudit(TorchDispatchMode):
                  "arg": arg, "dtype": str(t.dtype).removeprefix("torch."), **_layout(t)}
         self._events.append(event)
         return event
+
+
+def not_observed(device_types: list[str]) -> Finding | None:
+    """The ``view.audit_unobservable`` warning for devices the audit cannot see (None if none):
+    their tensors have no storage to inspect (``devices.storage_inspectable``)."""
+    if not device_types:
+        return None
+    return Finding(
+        kind="view.audit_unobservable", module="", step=None, severity="warning",
+        message=(f"the view audit does not apply on {', '.join(device_types)}: its tensors have no "
+                 "storage to inspect and its views are functionalized (view ops run as *_copy, "
+                 "writes through views as *_scatter), and a dispatch mode there breaks the "
+                 "backward; no view/in-place finding comes from this run: check the backend with "
+                 f"`driftcheck probe --device {device_types[0]}`"),
+        details={"devices": device_types})
 
 
 def compare_events(
@@ -147,7 +178,9 @@ def compare_events(
     other run (``_key``): the same op and argument, on a tensor as exact (or not) as it; for a
     view the same input layout, arguments and output sizes (these fix its strides and offset),
     for a write the same written layout. Events a backend's other lowering adds, drops or
-    reorders (other views, other shapes) have no counterpart and are not judged.
+    reorders (other views, other shapes) have no counterpart and are not judged, except a
+    reference write through a view met by a target write of the same op and sizes into a
+    non-view (``writes.cross_layout``).
 
     Args:
         ref, tgt: ``ViewAudit.events()`` of the reference and the target run.
@@ -163,10 +196,14 @@ def compare_events(
     # Older manifests lack the views' arguments: strides and offset then identify a view (_key).
     with_args = any("args" in e for e in ref) and any("args" in e for e in tgt)
     for r_events, t_events in _groups(ref, tgt).values():
-        for r, t in _pairs(r_events, t_events, with_args):
+        paired = _pairs(r_events, t_events, with_args)
+        for r, t in paired:
             finding = _judge(r, t, value_tolerance)
             if finding is not None:
                 found.append((order[id(t)], finding))
+        used = {id(e) for pair in paired for e in pair}  # left over: writes of another layout
+        found.extend((order[id(t)], f) for t, f in writes.cross_layout(
+            [e for e in r_events if id(e) not in used], [e for e in t_events if id(e) not in used]))
     return [f for _, f in sorted(found, key=lambda pair: pair[0])]  # target execution order
 
 
@@ -234,9 +271,9 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
         elif (tol := tolerance(r, t) if callable(tolerance) else tolerance) is None:
             tol = 16 * max(dtypes.unit_roundoff(r["dtype"]), dtypes.unit_roundoff(t["dtype"]))
         rb, tb = r.get("value_before"), t.get("value_before")
-        if rb and tb and _value_error(rb, tb) > tol:
+        if rb and tb and fp.value_error(rb, tb) > tol:
             return None  # the bases differed before the write: upstream drift, not this write
-        err = _value_error(rv, tv)
+        err = fp.value_error(rv, tv)
         if err > tol:
             return finding("inplace.value_mismatch",
                            f"the base after the write differs by {err:.3g} (relative to its "
@@ -304,28 +341,6 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
-    """(sum, sum |x|, sum x*w, sum |x|*w) on t's device: cheap, dtype-robust, position-aware;
-    exact for integer/bool tensors (int64, integer weights, wrapping mod 2^64: no rounding above
-    2^53, and the same result in any summation order)."""
-    if t.is_quantized:
-        return None
-    x = t.detach()
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    x = x.reshape(-1)
-    if x.is_floating_point():
-        acc = torch.float64 if t.device.type in ("cpu", "cuda") else torch.float32
-        x = x.to(acc)
-        w = 1.0 + torch.remainder(torch.arange(x.numel(), device=x.device, dtype=acc),
-                                  _WEIGHT_PERIOD) / _WEIGHT_PERIOD
-    else:
-        x = x.to(torch.int64)
-        w = 1 + torch.remainder(torch.arange(x.numel(), device=x.device), _WEIGHT_PERIOD)
-    a = x.abs()
-    return torch.stack([x.sum(), a.sum(), (x * w).sum(), (a * w).sum()])
-
-
 def _layout(t: torch.Tensor) -> dict[str, Any]:
     return {"sizes": list(t.shape), "strides": list(t.stride()), "storage_offset": int(t.storage_offset())}
 
@@ -379,22 +394,3 @@ def _groups(ref: list[dict[str, Any]], tgt: list[dict[str, Any]]) -> dict[tuple,
         for e in events:
             groups.setdefault((e["step"], e["module"]), ([], []))[side].append(e)
     return groups
-
-
-def _same(a: list[float], b: list[float]) -> bool:
-    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
-
-
-def _value_error(r: dict[str, float], t: dict[str, float]) -> float:
-    """Largest fingerprint difference over its magnitude (not over the possibly-cancelled value)."""
-    err = 0.0
-    for value, scale in (("sum", "abs_sum"), ("checksum", "checksum_scale")):
-        a, b = (math.nan if x is None else x for x in (r[value], t[value]))  # JSON non-finite
-        if (math.isnan(a) and math.isnan(b)) or a == b:
-            continue
-        diff = abs(a - b)
-        if math.isnan(diff) or math.isinf(diff):
-            return math.inf
-        magnitude = max(r[scale] or 0, t[scale] or 0)
-        err = max(err, diff / magnitude if magnitude > 0 else math.inf)
-    return err

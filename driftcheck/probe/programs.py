@@ -8,6 +8,11 @@ import torch
 
 Program = Callable[[torch.device], dict[str, Any]]
 
+# Results that are facts about memory (storage identity, strides, offsets), not values: a backend
+# whose tensors have no inspectable storage (lazy, functionalizing) cannot be held to them.
+MEMORY_FACTS = frozenset({"v_is_view", "shares", "aliases_new", "views", "strides", "offset",
+                          "contiguous"})
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers the programs share. Inputs are made on CPU (the TPU RNG does not reproduce CPU streams)
@@ -35,8 +40,12 @@ def out(**values: Any) -> dict[str, Any]:
             for k, v in values.items()}
 
 
-def shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def shares(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether a and b share storage; None where storage cannot be inspected (lazy tensors)."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def raises(fn: Callable[[], Any]) -> bool:

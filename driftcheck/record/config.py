@@ -35,7 +35,7 @@ class CaptureConfig:
         transfer: "batched" (one device-to-host transfer per step) or "per-capture".
         seed: seeds the stats-mode sample indices (same on both runs).
         audits: run the BatchNorm running-stat audit.
-        view_audit: the run records view/in-place events (the runner installs the audit).
+        view_audit: the run records view/in-place events (the runner, or trace(), installs the audit).
         max_pending_bytes: captures waiting for a transfer beyond this are flushed early.
         root_output_grads: capture the gradients of the model's own outputs (off where a loop
             returns copies of them that the loss never uses: accelerate's fp32 outputs).

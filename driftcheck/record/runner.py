@@ -29,7 +29,7 @@ from driftcheck.record.loop import train
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.points import load_point_optimizer
 from driftcheck.record.rng import DropoutControl
-from driftcheck.record.tracer import Tracer
+from driftcheck.record.tracer import Tracer, view_audit
 from driftcheck.scenario import Scenario
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
@@ -189,7 +189,7 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
         tracer.step_index = config.start or 0
         tracer.attach()
         account = compilation.Account().start() if m.compiled else None
-        contexts = _Contexts(config, tracer)
+        contexts = _Contexts(config, tracer, device)
         try:
             # the fault outside the audit, so the audit sees what the faulty backend does
             with contexts.fault, contexts.emulate as emulation, contexts.audit:
@@ -199,6 +199,7 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
                       first_step=config.start or 0, step_hook=getattr(m.hook, "set_step", None))
             if tracer.audit is not None:
                 tracer.events = tracer.audit.events()
+                tracer.findings.extend(f.to_dict() for f in [tracer.audit.unobservable()] if f)
         finally:
             tracer.detach()
             if account is not None:
@@ -233,13 +234,10 @@ class _Contexts:
     """What the loop runs under besides the tracer: a simulated faulty backend, the TPU
     emulation, the view audit (each a no-op where not asked for)."""
 
-    def __init__(self, config: RecordConfig, tracer: Tracer) -> None:
+    def __init__(self, config: RecordConfig, tracer: Tracer, device: torch.device) -> None:
         self.audit: Any = contextlib.nullcontext()
         if config.view_audit:
-            from driftcheck.audit.views import ViewAudit
-
-            tracer.audit = self.audit = ViewAudit(lambda: tracer.current_module,
-                                                  lambda: tracer.step_index)
+            self.audit = view_audit(tracer, device) or self.audit
         self.fault: Any = contextlib.nullcontext()
         if config.simulate:
             from driftcheck.targets.simulate import backend

@@ -303,7 +303,9 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
     ``out/rank-<r>``, with its rank, world size and ``parallel`` ("ddp", or "fsdp" where the
     parameters are FSDP2 DTensors) in the run metadata; a DistributedDataParallel model is traced
     through its ``.module``. ``driftcheck compare`` then compares rank by rank.
-        **kwargs: passed to :class:`Tracer` (include, exclude, phases, steps, transfer, seed).
+        **kwargs: passed to :class:`Tracer` (include, exclude, phases, steps, transfer, seed,
+            view_audit: the view/in-place audit runs around the block, its events go into the
+            manifest).
 
     Example:
         >>> with driftcheck.trace(model, out="trace", optimizer=opt) as t:
@@ -322,13 +324,17 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
     with writer:
         tracer = Tracer(model, writer, mode=mode, optimizer=optimizer, **kwargs).attach()
         account = compilation.Account().start() if tracer.compiled else None
+        audit = view_audit(tracer, tracer.device) if tracer.config.view_audit else None
         try:
-            with tracer.logit_watch("loop"):
+            with tracer.logit_watch("loop"), audit or contextlib.nullcontext():
                 yield tracer
         finally:
             tracer.detach()
             if account is not None:
                 account.stop()
+        if audit is not None:
+            tracer.events = audit.events()
+            tracer.findings.extend(f.to_dict() for f in [audit.unobservable()] if f)
         if tracer.step_index == 0:
             warnings.warn(f"driftcheck.trace({out!r}): the block ended without t.step(); the trace "
                           "holds a partial step 0 and says 0 steps. Call t.step(loss) at the end of "
@@ -346,7 +352,24 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         if tracer.counts is not None:
             meta["lazy"] = tracer.counts.metadata()
         meta.update(run or {})
-        writer.close(meta, extra=tracer.manifest_extra())
+        extra = tracer.manifest_extra()
+        if tracer.events:
+            extra["view_events"] = tracer.events
+        writer.close(meta, extra=extra)
+
+
+def view_audit(tracer: Tracer, device: torch.device) -> Any:
+    """The view audit (audit/views.py) for a run on ``device``, made the tracer's; None where it
+    cannot apply (``lazy``: no storage to inspect, and a dispatch mode there breaks the backward),
+    with its ``view.audit_unobservable`` warning added to the tracer's findings instead."""
+    from driftcheck.audit.views import ViewAudit, not_observed
+    from driftcheck.targets.devices import storage_inspectable
+
+    if not storage_inspectable(device.type):
+        tracer.findings.extend(f.to_dict() for f in [not_observed([device.type])] if f)
+        return None
+    tracer.audit = ViewAudit(lambda: tracer.current_module, lambda: tracer.step_index)
+    return tracer.audit
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -50,6 +50,23 @@ KIND_HELP: dict[str, tuple[str, str, str]] = {
         "Look at the op named in the message. Do not rely on aliasing: assign results explicitly, or clone() where "
         "a copy is intended.",
     ),
+    "view.write_not_through_view": (
+        "A write that missed its view",
+        "The reference wrote in place through a view, so the write reached the tensor the view came from; "
+        "on the target the view op returned a copy, the same write landed in that copy, and the original "
+        "tensor kept its old values.",
+        "Look at the op and module named: replace the in-place write through a view with an explicit "
+        "assignment (x = torch.cat(...), x[..., :k] = x[..., :k] * 2 on the base), and report the view op "
+        "that copies to the backend.",
+    ),
+    "view.audit_unobservable": (
+        "View audit not applicable",
+        "The run's tensors have no storage the view audit can inspect (a lazy or functionalizing backend: "
+        "views reach the audit as *_copy ops and writes through them as *_scatter ops), so its view and "
+        "in-place semantics were not observed on that side.",
+        "Run `driftcheck probe --device DEV`, which checks the same semantics by values; the numeric "
+        "comparison still judges every entry.",
+    ),
     "inplace": (
         "In-place semantics",
         "An in-place op wrote to memory that overlaps its own input or another live view; the result depends "

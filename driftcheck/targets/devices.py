@@ -31,6 +31,7 @@ TPU_FIX = 'pip install torch-tpu==0.2.0 (Linux x86_64; from a driftcheck checkou
 # Backends that never need an out-of-tree plugin: for them the autoload is switched off.
 BUILTIN_TYPES = ("cpu", "cuda", "mps", "xpu", "lazy")
 KNOWN_TYPES = ("cpu", "cuda", "tpu", "mps", "xpu", "lazy", "xla")
+_NO_STORAGE = frozenset(deferred.DEFERRED_TYPES)
 # Device types torch knows that cannot run a recorded training step.
 _NOT_COMPUTE = {"meta": "'meta' tensors hold no data", "gpu": "did you mean 'cuda'?"}
 _SPEC = re.compile(r"^([a-z][a-z0-9_]*)(?::(\d+))?$")
@@ -68,7 +69,7 @@ def parse_device(spec: str) -> tuple[str, int | None]:
 def prepare_environment(device_type: str) -> None:
     """Set the environment for a run on ``device_type``; call it before ``import torch``.
 
-    For ``cpu``/``cuda``/``mps``/``xpu`` this sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` unless the
+    For ``cpu``/``cuda``/``mps``/``xpu``/``lazy`` this sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` unless the
     user already set it, so that an installed torch_tpu is not loaded into the process: it would
     change the fp32 matmul precision of the reference, and an incomplete install makes
     ``import torch`` fail. ``tpu`` and other PrivateUse1 backends need the autoload and keep it.
@@ -242,6 +243,28 @@ def _check_deferred(device_type: str, index: int | None) -> None:
     if index not in (None, 0):
         raise DriftcheckError(f"bad device '{device_type}:{index}': driftcheck runs {device_type} "
                               f"on its device 0; use '{device_type}'")
+
+
+def init_backend(device_type: str) -> bool:
+    """Start an in-tree backend that needs it (``lazy``: the TorchScript lazy-tensor backend, once
+    per process; ``xla``: torch_xla); whether ``device_type`` is one of them.
+
+    Example:
+        >>> init_backend("lazy")
+        True
+    """
+    if not deferred.is_deferred(device_type):
+        return False
+    deferred.init_backend(device_type)
+    return True
+
+
+def storage_inspectable(device_type: str) -> bool:
+    """Whether tensors of ``device_type`` have a storage whose identity, strides and offset mean
+    what they do on CPU. Not on ``lazy`` (and torch_xla's ``xla``): views are functionalized
+    there, strides are those of a contiguous tensor, and asking a lazy tensor for its storage
+    raises, or inside the autograd engine crashes the process."""
+    return device_type not in _NO_STORAGE
 
 
 def open_device(spec: str) -> torch.device:

@@ -270,3 +270,13 @@ def test_registered_privateuse1_without_device(monkeypatch: pytest.MonkeyPatch) 
         open_device("npu:0")
     with pytest.raises(DriftcheckError, match=r"unknown device type 'foo': this torch .* has cpu.*, npu$"):
         open_device("foo")
+
+
+def test_open_lazy_starts_the_torchscript_backend() -> None:
+    assert devices.init_backend("cpu") is False
+    assert open_device("lazy") == torch.device("lazy")
+    assert devices.init_backend("lazy") is True  # a second start is a no-op
+    assert torch.ones(2, device="lazy").add(1).cpu().tolist() == [2.0, 2.0]
+    assert not devices.storage_inspectable("lazy") and devices.storage_inspectable("cpu")
+    with pytest.raises(DriftcheckError, match="lazy:1"):
+        open_device("lazy:1")
