@@ -6,6 +6,7 @@ the same protocol: clean controls must pass, an injected defect must fail at its
     python bench/zoo.py --jobs 2 --json zoo.json   # the whole corpus (~30-40 min on 2 cores)
     python bench/zoo.py --families hf,diffusers --limit 5
     python bench/zoo.py --only timm_vit,hf_roberta --modes full
+    python bench/zoo.py --only tv_resnet,hf_led --modes full --controls isa_default,isa_avx2,mkldnn_off
     python bench/zoo.py --compile inductor --modes full --limit 12   # compiled targets
     driftcheck record bench/zoo.py:timm_vit --out ref   # any entry is a MODEL spec
 
@@ -17,6 +18,13 @@ mode (view audit on) and in stats mode, with and without the local replay (--loc
   bf16      the target in bf16 (dtype="bf16")
   threads   the target in fp32 with 2 intra-op threads
   autocast  the target in fp32 under torch.autocast bf16
+and three real-kernel controls, fp32 targets computed by other real CPU kernels (docs/noise-floor.md):
+  isa_default  ATEN_CPU_CAPABILITY=default: ATen's non-vectorised kernels
+  isa_avx2     ATEN_CPU_CAPABILITY=avx2 (where the reference ran AVX512 kernels)
+  mkldnn_off   oneDNN off (record(mkldnn=False), --mkldnn off): ATen's own convolutions
+The variable is read when torch loads, so the isa_* targets are recorded in a fresh process
+(`python -m driftcheck record bench/zoo.py:NAME --replay REF --env ATEN_CPU_CAPABILITY=...`,
+one intra-op thread as the reference); the others in-process.
 and one defect: the output of a middle Linear/Conv x1.05 on an fp32 target (same variants).
 A clean control passes when the verdict is "pass" (a bf16 or autocast target whose grouped conv1d
 this machine's bf16 kernel gets wrong, bench/kernel_check.py, is no clean run: failed at that
@@ -41,6 +49,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,7 +94,10 @@ CATALOGUE = _catalogue()
 globals().update({name: build for name, (_, build) in CATALOGUE.items()})  # bench/zoo.py:NAME
 
 CONTROLS: dict[str, dict[str, Any]] = {"bf16": {"dtype": "bf16"}, "threads": {"threads": 2},
-                                       "autocast": {"autocast": "bf16"}}
+                                       "autocast": {"autocast": "bf16"},
+                                       "isa_default": {"env": {"ATEN_CPU_CAPABILITY": "default"}},
+                                       "isa_avx2": {"env": {"ATEN_CPU_CAPABILITY": "avx2"}},
+                                       "mkldnn_off": {"mkldnn": False}}
 FACTOR = 1.05
 
 
@@ -233,17 +245,22 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
           compile: str | None = None) -> dict[str, Any]:
     opts = dict(CONTROLS[control]) if control else {}
     threads = opts.pop("threads", 1)
+    env = opts.pop("env", None)
     if compile:
         opts["compile"] = {"backend": compile, "mode": None, "dynamic": None}
     out = root / "target"
     case: dict[str, Any] = {"control": control, "mode": mode, "local": local}
     t0 = time.perf_counter()
     try:
-        with _Threads(threads):
-            record(fresh(pristine, build), out, mode=mode, replay=refs["full"], force=True,
-                   model_id=name, local=refs["full"] if local else None,
-                   view_audit=mode == "full" and not compile, target_hooks=scale_output(fault, FACTOR) if fault else None,
-                   **opts)
+        if env:
+            record_elsewhere(name, out, env, mode=mode, replay=refs["full"], local=local,
+                             view_audit=mode == "full" and not compile, compile=compile)
+        else:
+            with _Threads(threads):
+                record(fresh(pristine, build), out, mode=mode, replay=refs["full"], force=True,
+                       model_id=name, local=refs["full"] if local else None,
+                       view_audit=mode == "full" and not compile,
+                       target_hooks=scale_output(fault, FACTOR) if fault else None, **opts)
         rep = compare(refs[mode], out)
         case.update(summarize_report(rep))
         fd = rep.first_divergence or {}
@@ -274,6 +291,28 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
         if mode == "full" and floors and floors.get(fault):
             case["size_floors"] = _size(refs["full"], out, key) / floors[fault]
     return case
+
+
+def record_elsewhere(name: str, out: Path, env: dict[str, str], *, mode: str, replay: Path,
+                     local: bool, view_audit: bool, compile: str | None = None) -> None:
+    """A target recorded in a fresh process under ``env``, set before torch loads there
+    (ATEN_CPU_CAPABILITY is read once, at import), through the CLI as a user would; one intra-op
+    thread, as the reference."""
+    import driftcheck
+
+    cmd = [sys.executable, "-m", "driftcheck", "--quiet", "record", f"{Path(__file__).resolve()}:{name}",
+           "--out", str(out), "--replay", str(replay), "--mode", mode, "--force"]
+    cmd += ["--local", str(replay)] if local else ["--no-local"]
+    cmd += (["--view-audit"] if view_audit else []) + (["--compile", compile] if compile else [])
+    cmd += [a for k, v in env.items() for a in ("--env", f"{k}={v}")]
+    where = str(Path(driftcheck.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, (where, os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **env),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise RuntimeError(f"record under {env} exited {proc.returncode}: "
+                           f"{lines[-1] if lines else 'no message'}")
 
 
 def _size(ref: Path, tgt: Path, key: tuple) -> float:
@@ -317,7 +356,8 @@ def worker(args: argparse.Namespace) -> int:
         _TIMED_OUT[0] = False
         signal.alarm(args.timeout)
         try:
-            res = run_arch(name, args.work, modes, compile=args.compile)
+            res = run_arch(name, args.work, modes, compile=args.compile,
+                           controls=tuple(args.controls.split(",")) if args.controls else tuple(CONTROLS))
         except ArchTimeout as e:
             res = {"name": name, "family": CATALOGUE[name][0], "status": "timeout", "error": str(e),
                    "secs": float(args.timeout), "controls": [], "faults": []}
@@ -349,6 +389,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="parallel worker processes")
     ap.add_argument("--modes", default="full,stats", help="record modes (full,stats)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per architecture")
+    ap.add_argument("--controls", help=f"CONTROL[,CONTROL]: these clean controls only (default: all of "
+                    f"{','.join(CONTROLS)})")
     ap.add_argument("--compile", metavar="BACKEND", help="record every target through torch.compile "
                     "with this backend (inductor, aot_eager, ...)")
     ap.add_argument("--json", help="write every result here")
@@ -363,6 +405,9 @@ def main() -> int:
     if args.worker:
         return worker(args)
     names = select(args)
+    unknown = [c for c in (args.controls or "").split(",") if c and c not in CONTROLS]
+    if unknown:
+        raise SystemExit(f"unknown control(s): {', '.join(unknown)} (choose from {', '.join(CONTROLS)})")
     if args.work:
         Path(args.work).mkdir(parents=True, exist_ok=True)  # the workers make their folders in it
     if args.list:

@@ -37,7 +37,8 @@ def run_workers(names: list[str], args: argparse.Namespace, script: Path,
     lock = threading.Lock()
     cmd = [sys.executable, str(script), "--worker", "--results", str(resdir), "--modes", args.modes,
            "--timeout", str(args.timeout)] + (["--work", args.work] if args.work else []) + (
-           ["--compile", args.compile] if getattr(args, "compile", None) else [])
+           ["--compile", args.compile] if getattr(args, "compile", None) else []) + (
+           ["--controls", args.controls] if getattr(args, "controls", None) else [])
 
     def spawn(i: int) -> subprocess.Popen:
         log = open(resdir / f"worker-{i}.log", "ab")
@@ -106,7 +107,9 @@ def meta(args: argparse.Namespace, secs: float) -> dict[str, Any]:
     return {"driftcheck": str(Path(driftcheck.__file__).resolve()), "commit": git("rev-parse", "--short", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--", "driftcheck")), "torch": torch.__version__,
             "modes": args.modes, "jobs": args.jobs, "timeout": args.timeout, "wall_secs": secs,
-            "cpus": os.cpu_count(), "compile": getattr(args, "compile", None)}
+            "cpus": os.cpu_count(), "compile": getattr(args, "compile", None),
+            "controls": getattr(args, "controls", None),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _ratio(r: Any) -> float:
@@ -188,7 +191,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     out = [f"# driftcheck zoo: {s['ran']} architectures ran ({', '.join(f'{k} {v}' for k, v in sorted(fams.items()))}), "
            f"{s['unbuildable']} could not be built",
            f"driftcheck {meta.get('commit')}{' (dirty)' if meta.get('dirty') else ''} from {meta.get('driftcheck')}, "
-           f"torch {meta.get('torch')}, modes {meta.get('modes')}, {meta.get('jobs')} job(s), "
+           f"torch {meta.get('torch')} ({meta.get('cpu_capability') or '?'} CPU kernels), modes {meta.get('modes')}, "
+           f"{'controls ' + meta['controls'] + ', ' if meta.get('controls') else ''}{meta.get('jobs')} job(s), "
            f"{'targets compiled with ' + meta['compile'] + ', ' if meta.get('compile') else ''}"
            f"{meta.get('wall_secs', 0) / 60:.1f} min wall", "",
            ] + _section("Clean controls (false alarms = failed or errored verdicts / architectures)",

@@ -1,8 +1,9 @@
 """A slice of the calibration corpus (bench/zoo.py): three third-party architectures from
 transformers and diffusers (and, for the floor classes, torchvision's: .ci/run installs it and
 timm into bench/.zoo-site with bench/zoo_env.sh) through the corpus's own
-protocol, in-process: every clean control (bf16, 2 threads, autocast bf16; full and stats mode;
-with and without the local replay) must pass, and a x1.05 defect on a middle Linear must fail
+protocol, in-process: every clean control (bf16, 2 threads, autocast bf16, and the real-kernel
+controls: ATEN_CPU_CAPABILITY=default and avx2, recorded in a fresh process, and oneDNN off; full
+and stats mode; with and without the local replay) must pass, and a x1.05 defect on a middle Linear must fail
 and be localized at that module. Clean cases that fail today are real false alarms, marked
 xfail(strict=True) with the reason, so they show up as XPASS when the floor is fixed."""
 from __future__ import annotations

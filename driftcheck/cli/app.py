@@ -138,7 +138,7 @@ def capture_options(f: Any) -> Any:
 
 
 def precision_options(whose: str) -> Any:
-    """How a run computes: autocast, fp8, float32 matmul precision and TPU emulation. ``whose``
+    """How a run computes: autocast, fp8, float32 matmul precision, TPU emulation and oneDNN. ``whose``
     names the run they apply to in the help ("the", "the target's")."""
     def decorate(f: Any) -> Any:
         return _apply(f, [
@@ -154,6 +154,10 @@ def precision_options(whose: str) -> Any:
             click.option("--emulate", type=click.Choice(["tpu"]), default=None,
                          help=f"Compute {whose} matmuls and convolutions as a TPU does at --matmul-precision "
                               "(bf16 passes), on a CPU or CUDA device  [default: off]"),
+            click.option("--mkldnn", type=click.Choice(["on", "off"]), default=None,
+                         help=f"oneDNN's CPU kernels for {whose} run (off: ATen's own convolutions and "
+                              "bf16 matmuls, a real other-kernels control; recorded as "
+                              "precision.cpu_kernels.mkldnn)  [default: torch's, on]"),
         ])
     return decorate
 

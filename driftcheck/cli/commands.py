@@ -99,7 +99,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
            replay: str | None, force: bool, mode: str, include: tuple, exclude: tuple,
            full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
-           compile_backend: str | None, compile_mode: str | None, dynamic: bool | None,
+           mkldnn: str | None, compile_backend: str | None, compile_mode: str | None, dynamic: bool | None,
            view_audit: bool, local: str | None, no_local: bool, env_vars: tuple, simulate: str | None,
            parallel: str | None, long_: bool, every: int, points_every: int | None, perturb: bool,
            start: int | None) -> None:
@@ -118,6 +118,10 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
         raise DriftcheckError("--perturb makes a control of a long run: add --long")
     if long_:
         devices.prepare_environment(devices.parse_device(device)[0])
+        if mkldnn is not None:  # this process records nothing else: set for all of it
+            from driftcheck.targets import precision
+
+            precision.apply_settings(mkldnn=mkldnn == "on")
         return record_long_cmd(obj, model, out, device, dtype, steps, seed, replay, force, autocast,
                                every, points_every, perturb, simulate)
 
@@ -164,7 +168,8 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
             full_modules=full_modules, phases=_set(parse_phases(phases)),
             capture_steps=_set(parse_ranges(capture_steps)), transfer=transfer, autocast=autocast,
             fp8=fp8, view_audit=view_audit, local=local, simulate=simulate, parallel=parallel,
-            emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_)))
+            emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_,
+            mkldnn=None if mkldnn is None else mkldnn == "on")))
     _say_recorded(obj, out, simulate)
 
 

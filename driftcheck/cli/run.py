@@ -72,7 +72,7 @@ from driftcheck.errors import DriftcheckError
 @click.pass_obj
 def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype: str,
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
-        emulate: str | None, compile_backend: str | None, compile_mode: str | None,
+        emulate: str | None, mkldnn: str | None, compile_backend: str | None, compile_mode: str | None,
         dynamic: bool | None, reference_compile: str | None, truth: str | None, local: bool | None,
         drill: bool, reference_env: tuple, target_env: tuple, out: str, force: bool,
         steps: int | None, seed: int, mode: str, include: tuple, exclude: tuple,
@@ -91,6 +91,9 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
     ref_env, tgt_env = parse_env(reference_env, "--reference-env"), parse_env(target_env, "--target-env")
     if long_ and (compile_backend or reference_compile):  # before --long's own run starts
         raise DriftcheckError("--long runs eager steps; --compile is for a run of a few steps")
+    if long_ and mkldnn:
+        raise DriftcheckError("--mkldnn sets the target of a run of a few steps; for --long, record "
+                              "the target with driftcheck record --long --mkldnn")
     if long_:
         return run_long(obj, model=model, out=Path(out), ref_device=ref_device, tgt_device=tgt_device,
                         reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
@@ -105,7 +108,8 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
     parse_ranges(capture_steps)
     sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
                   reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
-                  fp8=fp8, matmul_precision=matmul_precision, emulate=emulate, truth=truth, local=local,
+                  fp8=fp8, matmul_precision=matmul_precision, emulate=emulate, mkldnn=mkldnn,
+                  truth=truth, local=local,
                   steps=steps, seed=seed, mode=mode, force=force, include=include, exclude=exclude,
                   full_modules=full_modules, phases=phases, capture_steps=capture_steps,
                   transfer=transfer, view_audit=view_audit, simulate=simulate,

@@ -211,7 +211,8 @@ class Findings:
                 "precision.settings_differ", "", None,
                 f"{len(diffs)} precision setting(s) differ between the runs: {shown}{more}. "
                 "They explain drift; the noise floor accounts for dtype, TF32, matmul precision "
-                "and fp8", severity="warning",
+                "and fp8, and for other reduction orders (threads, CPU kernels) by its sqrt(K) "
+                "terms", severity="warning",
                 details={"settings": [{"setting": k, "reference": a, "target": b} for k, a, b in diffs]}))
 
 

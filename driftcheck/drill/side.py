@@ -37,6 +37,7 @@ from driftcheck.drill.align import align
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
 from driftcheck.record.local import fork_rng, rng_state, set_rng_state
+from driftcheck.targets import precision
 
 
 @dataclass
@@ -280,6 +281,9 @@ def run_side(trace: str | os.PathLike, ref: str | os.PathLike, point: Point, *, 
         from driftcheck.targets.simulate import backend
 
         contexts.enter_context(backend(run["simulated_backend"]))
+    mkldnn = ((run.get("precision") or {}).get("cpu_kernels") or {}).get("mkldnn")
+    if mkldnn is False:  # the side ran with oneDNN off (--mkldnn off); this process is its rerun
+        precision.apply_settings(mkldnn=False)
     level = (run.get("emulation") or {}).get("matmul_precision")
     if level:
         from driftcheck.targets.emulate import emulate_tpu

@@ -102,6 +102,8 @@ class RecordConfig:
         compile: ``torch.compile`` settings (record/compilation.py ``settings``): the loop calls
             the compiled model, captured by graph taps (record/taps.py).
         model_id: the model's name in the run metadata (default: the scenario's).
+        mkldnn: oneDNN's CPU kernels on (True) or off (False) for this record, None: as torch
+            has them; recorded as the manifest's ``precision.cpu_kernels.mkldnn``.
     """
 
     out: str | os.PathLike[str]
@@ -131,6 +133,7 @@ class RecordConfig:
     start: int | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     compile: Mapping[str, Any] | None = None
+    mkldnn: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "full_modules"):

@@ -34,6 +34,7 @@ class Sides:
     fp8: str | None = None
     matmul_precision: str | None = None
     emulate: str | None = None  # "tpu": the target computes its matmuls as a TPU does
+    mkldnn: str | None = None  # "on"/"off": oneDNN's CPU kernels in the target's process
     truth: str | None = None  # "fp64": a float64 record on CPU from the same replay
     local: bool = False
     steps: int | None = None
@@ -120,7 +121,7 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
                 sides.target_dtype, "--replay", str(ref_dir)] + common
     for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
                       ("--matmul-precision", sides.matmul_precision), ("--simulate", sides.simulate),
-                      ("--emulate", sides.emulate)):
+                      ("--emulate", sides.emulate), ("--mkldnn", sides.mkldnn)):
         if val:
             tgt_args += [flag, val]
     tgt_args += ["--local", str(ref_dir)] if sides.local else ["--no-local"]

@@ -33,6 +33,7 @@ from driftcheck.record.tracer import Tracer, view_audit
 from driftcheck.scenario import Scenario
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
+from driftcheck.targets import precision
 
 
 class Ranks(NamedTuple):
@@ -80,8 +81,14 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
     first_step = config.start or 0
     _check_selection(model, config.include, config.exclude, config.full_modules, config.mode,
                      config.capture_steps, len(inputs.batches), first_step)
-    return _run(scenario, config.replace(seed=inputs.seed), model, user_compiled, inputs,
-                device, tdtype, ranks_)
+    # the CPU kernels are a process setting: set for this record (its manifest captures them
+    # while they hold), as they were afterwards
+    previous = precision.apply_settings(mkldnn=config.mkldnn)
+    try:
+        return _run(scenario, config.replace(seed=inputs.seed), model, user_compiled, inputs,
+                    device, tdtype, ranks_)
+    finally:
+        precision.apply_settings(**previous)
 
 
 def _refuse_combinations(config: RecordConfig) -> None:

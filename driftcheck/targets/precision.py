@@ -1,7 +1,8 @@
 """Precision settings: what decides the rounding of a run, captured into every trace manifest.
 
 Two runs of correct code differ by what their settings allow: dtype, autocast, fp32 matmul
-precision (TF32 on CUDA, bf16 passes on TPU), fp8, thread count (reduction order), library
+precision (TF32 on CUDA, bf16 passes on TPU), fp8, thread count (reduction order), the CPU
+kernels (ATen's vectorisation level, oneDNN on or off: other reduction orders), library
 versions. :func:`capture_settings` records them and :func:`apply_settings` sets the knobs of this
 process; :mod:`driftcheck.targets.settings_diff` says which differences can explain drift, and
 :func:`driftcheck.numerics.roundoff.effective_matmul_roundoff` turns them into the unit roundoff
@@ -24,7 +25,7 @@ from driftcheck.targets import devices
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 _ENV_NAMES = ("XLA_FLAGS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "NVIDIA_TF32_OVERRIDE",
-              "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS")
+              "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")
 _VERSION_PACKAGES = {"numpy": "numpy", "safetensors": "safetensors", "driftcheck": "driftcheck",
                      "torch_tpu": "torch-tpu", "transformers": "transformers"}
 
@@ -79,6 +80,14 @@ def _fp32_precision() -> dict[str, str]:
     return found
 
 
+def _cpu_kernels() -> dict[str, Any]:
+    """Which of this process's CPU kernels run: ATen's vectorisation level (``ATEN_CPU_CAPABILITY``
+    read when torch loads: DEFAULT, AVX2, AVX512, ...) and whether oneDNN (mkldnn) convolutions and
+    matmuls are on. Two correct runs that differ here sum in other orders."""
+    return {"capability": torch.backends.cpu.get_cpu_capability(),
+            "mkldnn": bool(torch.backends.mkldnn.enabled)}
+
+
 def _matmul_precision() -> str:
     # torch raises when the legacy flags (allow_tf32) and the new per-backend settings were both
     # used and disagree; the per-backend values are captured separately in "fp32_precision".
@@ -112,8 +121,8 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
     Returns:
         A nested dict: ``device`` (:func:`driftcheck.targets.devices.describe`), ``dtype``, ``autocast``,
         ``matmul_precision`` (``"mixed"`` when torch cannot name one), ``allow_tf32``,
-        ``fp32_precision``, ``deterministic``, ``threads``,
-        ``versions``, ``host``, ``env``, ``torch_tpu_loaded``, ``tpu_execution_mode``, ``fp8``.
+        ``fp32_precision``, ``deterministic``, ``threads``, ``cpu_kernels`` (``capability``,
+        ``mkldnn``), ``versions``, ``host``, ``env``, ``torch_tpu_loaded``, ``tpu_execution_mode``, ``fp8``.
     """
     env = {key: value for key, value in sorted(os.environ.items())
            if key.startswith("TORCH_TPU_") or key in _ENV_NAMES}
@@ -134,6 +143,7 @@ def capture_settings(device: torch.device, dtype: torch.dtype, autocast: str | N
         "fp32_precision": _fp32_precision(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "threads": torch.get_num_threads(),
+        "cpu_kernels": _cpu_kernels(),
         "versions": _versions(),
         "host": {"node": platform.node(), "machine": platform.machine(),
                  "system": platform.system(), "amx_bf16": _amx_bf16()},
@@ -165,7 +175,7 @@ def cpu_matmul_precision_has_effect(level: str) -> bool:
 
 def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None = None,
                    deterministic: bool | None = None, threads: int | None = None,
-                   allow_tf32_cudnn: bool | None = None) -> dict[str, Any]:
+                   allow_tf32_cudnn: bool | None = None, mkldnn: bool | None = None) -> dict[str, Any]:
     """Set the precision knobs of this process for a run; None leaves a knob as it is.
 
     Args:
@@ -177,6 +187,8 @@ def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None 
         deterministic: ``torch.use_deterministic_algorithms`` (sets ``CUBLAS_WORKSPACE_CONFIG``).
         threads: ``torch.set_num_threads`` (the CPU reduction order depends on it).
         allow_tf32_cudnn: TF32 for cuDNN convolutions alone.
+        mkldnn: oneDNN's CPU kernels on or off (``torch.backends.mkldnn.enabled``): off, CPU
+            convolutions and bf16 matmuls take ATen's own kernels.
 
     Returns:
         The previous values of the knobs that were set, so ``apply_settings(**previous)`` restores.
@@ -203,6 +215,8 @@ def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None 
         previous["deterministic"] = torch.are_deterministic_algorithms_enabled()
     if threads is not None:
         previous["threads"] = torch.get_num_threads()
+    if mkldnn is not None:
+        previous["mkldnn"] = bool(torch.backends.mkldnn.enabled)
 
     if matmul_precision is not None:
         torch.set_float32_matmul_precision(matmul_precision)
@@ -217,4 +231,6 @@ def apply_settings(matmul_precision: str | None = None, allow_tf32: bool | None 
         torch.use_deterministic_algorithms(deterministic)
     if threads is not None:
         torch.set_num_threads(threads)
+    if mkldnn is not None:
+        torch.backends.mkldnn.enabled = mkldnn  # type: ignore[assignment]  # a ContextProp: set, it sets the flag
     return previous
