@@ -60,8 +60,13 @@ class NormAudit:
 
     def audit_later(self) -> None:
         """After a deferred device's sync point: the audits its calls left for then."""
+        last = {name: call for name, call, *_ in self.later}
         for name, call, module, x, before, after in self.later:
-            # data the sync point made, copied to the host: the audit computes there
+            if call != last[name]:
+                continue  # the buffers are known only at the step's end: its last call's
+            # the buffers as the sync point left them (a read in the step's graph may run before
+            # the backend's in-place update), all on the host: the audit computes there
+            after = bn_audit.snapshot(module)
             x = x.cpu()
             before, after = ({k: None if v is None else v.cpu() for k, v in snap.items()}
                              for snap in (before, after))

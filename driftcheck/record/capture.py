@@ -69,6 +69,7 @@ class Capture:
         # On a deferred device (lazy, xla) nothing is read inside a step: copies wait on the
         # device for the step's own mark_step (the tracer's), then move to the host.
         self.deferred = False
+        self.host_now = False  # between a deferred device's steps: captures go to the host now
         self._host = tstats.HostSummaries(config.seed)
         self.reset()
 
@@ -192,6 +193,9 @@ class Capture:
         if self.deferred and data.device.type in deferred.DEFERRED_TYPES:
             # a statistic or sample read now would run the step's graph up to here: a copy only
             # (an op in the step's graph), summarised on the host after the step's sync point
+            if self.host_now:  # after the step's sync point: the data it made, copied now
+                with torch.no_grad():  # of ``t`` itself: a detach() would be a graph to run
+                    return None, t.cpu().detach()
             return None, deferred.copy(data) if copy else data
         if not keep and tstats.HostSummaries.eligible(data):
             got = self._host.take(data, skey)

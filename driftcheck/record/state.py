@@ -50,6 +50,7 @@ class StateCapture:
         self.selected = selected
         self.optimizer = optimizer
         self.owners = parameter_owners(model)
+        self.late_buffers = False  # buffers after the update captured by the tracer, later
         self.reset()
 
     def reset(self) -> None:
@@ -61,7 +62,7 @@ class StateCapture:
         got = self.owners.get(id(p))
         return None if got is None else (got[0], got[1])
 
-    def params(self, phase: str) -> None:
+    def params(self, phase: str, *, params: bool = True, buffers: bool = True) -> None:
         """Every selected module's own parameters and buffers, as phase ``phase``."""
         if not self.capture.wants(phase):
             return
@@ -69,10 +70,10 @@ class StateCapture:
             if not self.selected(mod_name):
                 continue
             for leaf, p in module.named_parameters(recurse=False):
-                if self.owners.get(id(p), (mod_name,))[0] == mod_name:
+                if params and self.owners.get(id(p), (mod_name,))[0] == mod_name:
                     self.capture(mod_name, phase, 0, f"param.{leaf}", p)
             for leaf, b in module.named_buffers(recurse=False):
-                if b is not None:
+                if buffers and b is not None:
                     self.capture(mod_name, phase, 0, f"buffer.{leaf}", b)
 
     def after_update(self) -> None:
@@ -82,7 +83,9 @@ class StateCapture:
         self.updated = True
         if not self.capture.wants("optimizer"):
             return
-        self.params("optimizer")
+        # a deferred device's buffers are read after the step's sync point (late_buffers): its
+        # backend may update one in place unordered with a read in the same graph (BatchNorm's)
+        self.params("optimizer", buffers=not self.late_buffers)
         if self.optimizer is None:
             return
         for p, state in self.optimizer.state.items():

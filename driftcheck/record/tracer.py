@@ -97,6 +97,7 @@ class Tracer:
             else None
         self.capture.deferred = self.counts is not None
         self.state = StateCapture(model, self.capture, self.selection.module, optimizer)
+        self.state.late_buffers = self.counts is not None
         self.tied_params = tied_parameters(self.names, self.state.owners)
         self.aliases = alias_groups(model)  # on the run's device: where a move unties weights
         self.watch = WatchLog(self.calls)
@@ -213,7 +214,13 @@ class Tracer:
         self.calls.active = True
         if self.compiled:
             self.norms.snapshot(self.graph_taps.by_name)
+        if self.counts is not None:  # before any step: the state made as one graph, read now
+            deferred.materialise([*self.model.parameters(), *self.model.buffers()])
+            self.capture.host_now = True
         self.state.params("params")
+        self.capture.host_now = False
+        if self.counts is not None:
+            self.counts.restart()  # step 0 counts from here
         return self
 
     def pause(self) -> None:
@@ -265,6 +272,9 @@ class Tracer:
                 self.norms.audit_deferred(self.graph_taps.by_name, self.calls.counts)
         if self.counts is not None:  # the step's own sync point: its graph, captures included
             deferred.mark_step(self.device)
+            self.capture.host_now = True  # the state now holds the data the step made
+            if self.state.updated:
+                self.state.params("optimizer", params=False)
             self.norms.audit_later()
         self.capture.flush()
         if self.counts is not None:
@@ -276,6 +286,7 @@ class Tracer:
             self.capture.carry(known)
             self.state.params("params")
             self.capture.carry({})
+        self.capture.host_now = False
 
     def _reset_step(self) -> dict[int, Any]:
         """Every part's per-step state empty; returns the step's summaries (Capture.reset)."""

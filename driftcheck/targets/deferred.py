@@ -150,6 +150,10 @@ class StepCounts:
         self._own = 0
         self._depth = 0
 
+    def restart(self) -> None:
+        """The next step's counts start now."""
+        self._start, self._own = counters(self.device_type), 0
+
     def own(self) -> Any:
         """A context around the tracer's own work inside a step: the graphs it runs are counted."""
         return _Own(self)

@@ -3,6 +3,7 @@ target: the device opens, a trace captures without splitting the step's graph, a
 run computes bitwise what the untraced one does."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -104,3 +105,49 @@ def test_run_mlp_cpu_against_lazy_passes(tmp_path):
                           "cpu", "--target", "lazy", "--out", str(tmp_path / "run"), "--steps", "2"],
                          capture_output=True, text=True)
     assert got.returncode == 0, got.stderr[-2000:]
+
+
+def _bn_run(dev, out=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)).to(dev)
+    deferred.mark_step(dev)  # the buffers hold device data, as after any step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    xs = [torch.randn(16, 8) for _ in range(2)]
+    means = []
+    with driftcheck.trace(model, out=str(out), optimizer=opt) if out else contextlib.nullcontext() as t:
+        for x in xs:
+            loss = model(x.to(dev)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t.step(loss) if t is not None else deferred.mark_step(dev)
+            means.append(float(model[1].running_mean.abs().max().cpu()))
+    return means
+
+
+def test_lazy_batchnorm_buffers_are_read_after_the_sync_point(tmp_path):
+    """The lazy backend updates BatchNorm's running statistics in place in the device data,
+    unordered with a read of them in the same graph: a capture in the step saw the value before
+    the update (and the audit called the update lost). Buffers after the update are captured,
+    and audited, after the step's mark_step: the values the untraced run has."""
+    dev = devices.open_device("lazy")
+    untraced = _bn_run(dev)
+    assert _bn_run(dev, tmp_path / "t") == untraced and untraced[0] > 0
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert not [f for f in manifest["findings"] if f["kind"].startswith("batchnorm")]
+    mean = {(e["step"], e["phase"]): e["stats"]["absmax"] for e in manifest["entries"]
+            if e["module"] == "1" and e["slot"] == "buffer.running_mean"}
+    assert mean[(0, "params")] == 0.0
+    assert [mean[(0, "optimizer")], mean[(1, "optimizer")]] == pytest.approx(untraced, rel=1e-6)
+    assert mean[(1, "params")] == mean[(0, "optimizer")]
+    assert manifest["run"]["lazy"]["capture_graphs"] == [0, 0]
+
+
+def test_backend_defect_is_one_line(tmp_path):
+    got = subprocess.run([sys.executable, "-m", "driftcheck", "--quiet", "record", "vit", "--device",
+                          "lazy", "--steps", "1", "--out", str(tmp_path / "t")],
+                         capture_output=True, text=True)
+    assert got.returncode == 2
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a defect of the lazy backend, not of the model" in lines[0]
