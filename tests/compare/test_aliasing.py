@@ -74,6 +74,23 @@ def test_alias_groups_llama_on_lazy() -> None:
     assert alias_groups(Shared().to("lazy")) == []
 
 
+def test_alias_groups_hf_tied_llama_on_lazy() -> None:
+    """A Hugging Face LlamaForCausalLM with tied embeddings, built offline from its config:
+    untied by the move to lazy, tied again by its own ``tie_weights()``."""
+    transformers = pytest.importorskip("transformers")
+    _lazy()
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    tied = [{"tensors": ["model.embed_tokens.weight", "lm_head.weight"], "how": "tied"}]
+    assert alias_groups(model) == tied
+    model.to("lazy")
+    assert alias_groups(model) == []
+    model.tie_weights()
+    assert alias_groups(model) == tied
+
+
 def _m(*groups: tuple[str, ...], how: str = "tied") -> dict:
     return {"aliases": [{"tensors": list(g), "how": how} for g in groups]}
 
