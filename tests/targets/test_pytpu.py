@@ -142,3 +142,10 @@ def test_run_llama_on_the_python_tpu(pytpu_site, tmp_path):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["first_divergence"]["module"] == "layers.0.attn.q_proj"
     assert "known.matmul_below_recorded_precision" in {f["kind"] for f in report["findings"]}
+
+
+def test_run_looks_for_backends_on_the_targets_path(pytpu_site):
+    from driftcheck.targets import devices
+
+    assert devices.backend_entry_points(str(pytpu_site)) == ["pytpu = pytpu:autoload (pytpu 0.1.0)"]
+    assert not any("pytpu" in e for e in devices.backend_entry_points(None))
