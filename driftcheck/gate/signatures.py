@@ -120,10 +120,13 @@ SIGNATURES: tuple[Signature, ...] = (
               "A matmul recorded as float32 has the error of one bf16 pass (bf16 operands, float32 "
               "accumulation): the backend ran it at a lower matmul precision than the setting in "
               "force, as when a compile cache serves a result compiled under another "
-              "matmul-precision context.",
+              "matmul-precision context, or a backend computes one bf16 pass by default without "
+              "reporting it (torch.get_float32_matmul_precision() still says 'highest').",
               "Set the precision explicitly before the first compile "
               "(torch.set_float32_matmul_precision('highest') / torch.tpu precision HIGHEST) and "
-              "clear compiled caches (torch.compiler.reset()) when changing it.",
+              "clear compiled caches (torch.compiler.reset()) when changing it; if one bf16 pass "
+              "is the backend's default, record the target with --matmul-precision medium so the "
+              "floor knows it.",
               op_match=_matmul),
     Signature("reduction_low_precision_accumulation",
               "a reduction accumulated in low precision",

@@ -64,7 +64,9 @@ ta, tb = a.to("tpu"), b.to("tpu")
 one_pass = a.bfloat16().float() @ b.bfloat16().float()
 print((ta @ tb).cpu().equal(one_pass), not (ta @ tb).cpu().equal(a @ b))
 print(ta.exp().cpu().equal(a.exp()), ta.t().contiguous().cpu().equal(a.t().contiguous()))
-x = ta.clone(); x[2:4].mul_(3); print(x.cpu()[2:4].equal(a[2:4] * 3))
+x = ta.clone(); x[2:4].mul_(3)
+print(x.cpu()[2:4].equal(a[2:4] * 3), x[2:].data_ptr() - x.data_ptr() == 2 * 4 * 64,
+      x.data_ptr() != ta.data_ptr())
 lin = torch.nn.Linear(64, 5)
 lin_t = torch.nn.Linear(64, 5).to("tpu"); lin_t.load_state_dict(lin.state_dict())
 opt = torch.optim.AdamW(lin_t.parameters(), lr=0.1)
@@ -75,7 +77,7 @@ print(lin_t.weight.grad.device, lin_t.weight.device, bool(lin_t.weight.detach().
 
 def test_matmuls_are_one_bf16_pass_and_the_rest_is_the_cpus(pytpu_site):
     lines = _python(NUMERICS, _env(pytpu_site)).splitlines()
-    assert lines[:3] == ["True True", "True True", "True"]
+    assert lines[:3] == ["True True", "True True", "True True True"]
     assert lines[3] == "tpu:0 tpu:0 True"  # autograd and a foreach AdamW step ran on "tpu"
 
 
@@ -126,7 +128,10 @@ def test_run_mlp_on_the_python_tpu(pytpu_site, tmp_path):
 
 
 def test_run_mlp_control_with_cpu_matmuls_passes(pytpu_site, tmp_path):
-    proc = _run("mlp", tmp_path / "run", pytpu_site, "--target-env", "PYTPU_MATMUL=fp32")
+    # bitwise the CPU's numbers, and no view finding: a "tpu" storage has the CPU bytes' address
+    # and size (with 0-byte storages the view audit saw every slice as a copy: view.alias_lost)
+    proc = _run("mlp", tmp_path / "run", pytpu_site, "--target-env", "PYTPU_MATMUL=fp32",
+                "--view-audit")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -137,3 +142,10 @@ def test_run_llama_on_the_python_tpu(pytpu_site, tmp_path):
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["first_divergence"]["module"] == "layers.0.attn.q_proj"
     assert "known.matmul_below_recorded_precision" in {f["kind"] for f in report["findings"]}
+
+
+def test_run_looks_for_backends_on_the_targets_path(pytpu_site):
+    from driftcheck.targets import devices
+
+    assert devices.backend_entry_points(str(pytpu_site)) == ["pytpu = pytpu:autoload (pytpu 0.1.0)"]
+    assert not any("pytpu" in e for e in devices.backend_entry_points(None))

@@ -11,8 +11,9 @@ from torch.utils._pytree import tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 NAME = "tpu"
-_META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
-# 0-byte PrivateUse1 storage (its StorageImpl address) -> (weak ref keeping the address, CPU storage)
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_DEVICE = torch.device("cpu")  # torch.device("tpu", 0) once register() has renamed PrivateUse1
+# "tpu" storage (its StorageImpl address) -> (weak ref keeping the address, the CPU storage)
 _STORAGES: dict[int, tuple[StorageWeakRef, torch.UntypedStorage]] = {}
 _made = 0
 # fp32 operands rounded to bf16 (one bf16 pass): op name -> positions of the operands
@@ -32,18 +33,29 @@ def _prune() -> None:
         del _STORAGES[key]
 
 
-def _wrap(raw: torch.Tensor) -> torch.Tensor:
-    """A new "tpu" tensor whose bytes are ``raw``'s storage, with ``raw``'s layout."""
+def _tpu_storage(cpu: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A "tpu" storage over ``cpu``'s bytes: same address and size, owning nothing (the table
+    keeps ``cpu`` alive as long as the "tpu" storage lives)."""
     global _made
-    out = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
-    storage = out.untyped_storage()
-    _STORAGES[storage._cdata] = (StorageWeakRef(storage), raw.untyped_storage())
+    storage = torch._C._construct_storage_from_data_pointer(cpu.data_ptr(), _DEVICE, cpu.nbytes())
+    _STORAGES[storage._cdata] = (StorageWeakRef(storage), cpu)
     _made += 1
     if _made % 2000 == 0:
         _prune()
-    if raw.stride() != out.stride() or raw.storage_offset():
-        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
-            _META, out, storage, raw.storage_offset(), raw.shape, raw.stride())
+    return storage
+
+
+def _place(t: torch.Tensor, storage: torch.UntypedStorage, raw: torch.Tensor) -> None:
+    """Point ``t`` at ``storage`` with ``raw``'s sizes, strides and offset (the CPU kernel of
+    set_: it only sets metadata, checked against the storage's size)."""
+    torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU, t, storage, raw.storage_offset(), raw.shape, raw.stride())
+
+
+def _wrap(raw: torch.Tensor) -> torch.Tensor:
+    """A new "tpu" tensor whose bytes are ``raw``'s storage, with ``raw``'s layout."""
+    out = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
+    _place(out, _tpu_storage(raw.untyped_storage()), raw)
     return out
 
 
@@ -63,6 +75,8 @@ def _is_ours(x: Any) -> bool:
 def _unwrap(x: Any) -> Any:
     if _is_ours(x):
         return _raw(x)
+    if isinstance(x, torch.UntypedStorage) and x.device.type == NAME:
+        return _STORAGES[x._cdata][1]
     if isinstance(x, torch.device) and x.type == NAME:
         return torch.device("cpu")
     if isinstance(x, str) and x.split(":")[0] == NAME:
@@ -76,17 +90,19 @@ def _bf16_pass(x: Any) -> Any:
     return x
 
 
-def _sync_layout(wrapper: torch.Tensor, raw: torch.Tensor) -> None:
-    """After an in-place op changed ``raw``'s layout (resize_, as_strided_, squeeze_ ...)."""
-    entry = _STORAGES[wrapper.untyped_storage()._cdata]
-    if entry[1]._cdata != raw.untyped_storage()._cdata:
-        fresh = _wrap(raw)  # set_ to other bytes: the wrapper takes a storage of its own
-        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
-            _META, wrapper, fresh.untyped_storage(), raw.storage_offset(), raw.shape, raw.stride())
+def _sync_layout(wrapper: torch.Tensor, raw: torch.Tensor, sources: list[torch.UntypedStorage]) -> None:
+    """After an in-place op changed ``raw``'s layout (resize_, as_strided_, set_ ...)."""
+    mine = wrapper.untyped_storage()
+    cpu = raw.untyped_storage()
+    if _STORAGES[mine._cdata][1]._cdata != cpu._cdata:
+        # set_ to other bytes: the "tpu" storage holding them, or a new one
+        owner = next((s for s in sources if _STORAGES[s._cdata][1]._cdata == cpu._cdata), None)
+        _place(wrapper, owner if owner is not None else _tpu_storage(cpu), raw)
+    elif (mine.nbytes(), mine.data_ptr()) != (cpu.nbytes(), cpu.data_ptr()):
+        _place(wrapper, _tpu_storage(cpu), raw)  # resized: the bytes moved
     elif (wrapper.shape, wrapper.stride(), wrapper.storage_offset()) != (
             raw.shape, raw.stride(), raw.storage_offset()):
-        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
-            _META, wrapper, wrapper.untyped_storage(), raw.storage_offset(), raw.shape, raw.stride())
+        _place(wrapper, mine, raw)
 
 
 def _alias_of(raw_out: torch.Tensor, wrappers: list[torch.Tensor]) -> torch.Tensor | None:
@@ -113,6 +129,9 @@ def _kernel(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     writes = [r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns]
     views = [r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns]
     # arguments written in place: their new layout goes back to the "tpu" tensor
+    sources = [a if isinstance(a, torch.UntypedStorage) else a.untyped_storage()
+               for a in torch.utils._pytree.tree_leaves((args, kwargs))
+               if _is_ours(a) or (isinstance(a, torch.UntypedStorage) and a.device.type == NAME)]
     for position, schema_arg in enumerate(op._schema.arguments):
         if schema_arg.alias_info is None or not schema_arg.alias_info.is_write:
             continue
@@ -121,7 +140,7 @@ def _kernel(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
         else:
             arg, raw_arg = args[position], raw_args[position]
         if _is_ours(arg) and isinstance(raw_arg, torch.Tensor):
-            _sync_layout(arg, raw_arg)
+            _sync_layout(arg, raw_arg, sources)
     single = len(op._schema.returns) == 1
     outs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -139,7 +158,7 @@ def _kernel(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
             owner = _alias_of(o, flat_in)
             if owner is not None:
                 return torch.ops.aten.as_strided.default.redispatch(
-                    _META, owner, o.shape, o.stride(), o.storage_offset())
+                    _CPU, owner, o.shape, o.stride(), o.storage_offset())
         return _wrap(o)
 
     converted = [tree_map(functools.partial(convert, i), o) for i, o in enumerate(outs)]
@@ -196,9 +215,11 @@ def register() -> None:
     module = _Module()
     module.__module__ = __name__
     _setup_privateuseone_for_python_backend(NAME, backend_module=module)
+    global _DEVICE
+    _DEVICE = torch.device(NAME, 0)
     _LIB = torch.library.Library("_", "IMPL")
     _LIB.fallback(_kernel, "PrivateUse1")
-    # Ops with a CompositeExplicitAutograd kernel would run it on the 0-byte storage instead of
+    # Ops with a CompositeExplicitAutograd kernel would run it on the storage (CPU memory under a "tpu" tag) instead of
     # the fallback: they get the same kernel as a direct registration.
     explicit = ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
     aten = torch.library.Library("aten", "IMPL")
