@@ -106,3 +106,20 @@ def test_ops_on_lazy_tensors_are_not_recorded():
     assert audit.events() == []
     assert audit.unobservable().details["devices"] == ["lazy"]
     assert x.cpu()[1, 0].item() == 8.0  # the write itself went through
+
+
+def test_trace_with_view_audit_records_the_events(tmp_path):
+    import json
+
+    import driftcheck
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with driftcheck.trace(model, out=str(tmp_path / "t"), optimizer=opt, view_audit=True) as t:
+        model(torch.randn(3, 2, 8)).square().mean().backward()
+        opt.step()
+        t.step()
+    events = json.loads((tmp_path / "t" / "manifest.json").read_text())["view_events"]
+    assert any(e["module"] == "halve" and e["op"] == "aten.mul_.Tensor" and e["aliased"]
+               for e in events)
