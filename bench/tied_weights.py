@@ -11,8 +11,6 @@ the move: ``tie_weights()``, or the head assigned the embedding), ``cpu_untied``
 hand: the head gets a copy of the embedding), ``cpu_bf16`` (a clean control). Prints each verdict,
 the target's alias groups, the first divergence and the alias finding.
 
-Until the batched lazy capture lands (another part of issue 43), captures of lazy tensors are
-moved to the host one at a time at capture time (a sync per capture; the numbers are the same).
 """
 from __future__ import annotations
 
@@ -28,20 +26,9 @@ from torch import nn
 
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
-from driftcheck.record.capture import Capture
 from driftcheck.record.runner import record
 
 torch._lazy.ts_backend.init()
-_call = Capture.__call__
-
-
-def _to_host(self, module, phase, call, slot, t, **kw):
-    if isinstance(t, torch.Tensor) and t.device.type == "lazy":
-        t = t.detach().cpu()
-    return _call(self, module, phase, call, slot, t, **kw)
-
-
-Capture.__call__ = _to_host
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from driftcheck.compare.aliasing import KIND, sharing_findings
 from driftcheck.gate.policy import Policy
 from driftcheck.loader import load_scenario
 from driftcheck.record.aliases import alias_groups
-from driftcheck.record.capture import Capture
 from driftcheck.record.runner import record
 from driftcheck.store.format import FormatError, validate_manifest
 
@@ -220,18 +219,10 @@ def test_clean_controls_and_old_traces(ref, hooks, dtype) -> None:
 
 
 @pytest.fixture
-def lazy_capture(monkeypatch):
-    """The lazy backend, and its captures moved to the host at capture time, one at a time
-    (the batched transfer of lazy tensors is another part of issue 43: it crashes on main when
-    host and lazy rows are stacked). Numerically the same run: the copy is of what was computed."""
+def lazy_capture():
+    """PyTorch's lazy-tensor backend, started (the record's deferred capture moves the step's
+    captures to the host in one transfer after its mark_step)."""
     _lazy()
-    call = Capture.__call__
-
-    def to_host(self, module, phase, step_call, slot, t, **kw):
-        if isinstance(t, torch.Tensor) and t.device.type == "lazy":
-            t = t.detach().cpu()
-        return call(self, module, phase, step_call, slot, t, **kw)
-    monkeypatch.setattr(Capture, "__call__", to_host)
 
 
 def test_lazy_untying_is_named(ref, lazy_capture) -> None:
