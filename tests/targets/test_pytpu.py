@@ -149,3 +149,19 @@ def test_run_looks_for_backends_on_the_targets_path(pytpu_site):
 
     assert devices.backend_entry_points(str(pytpu_site)) == ["pytpu = pytpu:autoload (pytpu 0.1.0)"]
     assert not any("pytpu" in e for e in devices.backend_entry_points(None))
+
+
+def test_a_lazy_reference_compares_with_a_tpu_target(pytpu_site, tmp_path):
+    """From torch_xla to TorchTPU: a reference recorded on a deferred device (the lazy-tensor
+    design torch_xla's XLA tensors use) against a tpu target. With the target's matmuls in fp32
+    the two backends compute the same numbers and the run passes; with one bf16 pass it fails
+    at the first matmul."""
+    proc = _run("mlp", tmp_path / "ctl", pytpu_site, "--reference", "lazy", "--target-env", "PYTPU_MATMUL=fp32",
+                "--no-drill")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ref = _manifest(tmp_path / "ctl" / "reference")
+    assert ref["run"]["precision"]["device"]["type"] == "lazy" and ref["run"]["lazy"]["steps"]
+    proc = _run("mlp", tmp_path / "bf16", pytpu_site, "--reference", "lazy", "--no-drill")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "bf16" / "report.json").read_text())
+    assert report["first_divergence"]["module"] == "fc1"
