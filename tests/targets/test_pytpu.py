@@ -137,11 +137,16 @@ def test_run_mlp_control_with_cpu_matmuls_passes(pytpu_site, tmp_path):
 
 @pytest.mark.slow
 def test_run_llama_on_the_python_tpu(pytpu_site, tmp_path):
+    # model.to("tpu") replaces the parameters (no compatible shallow-copy type): the tied head
+    # comes apart, as on lazy, and that is the named cause; the bf16 matmuls drift beside it
     proc = _run("llama", tmp_path / "run", pytpu_site)
     assert proc.returncode == 1, proc.stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["first_divergence"]["module"] == "layers.0.attn.q_proj"
-    assert "known.matmul_below_recorded_precision" in {f["kind"] for f in report["findings"]}
+    assert report["first_divergence"]["finding"] == "alias.sharing_differs"
+    assert report["first_divergence"]["module"] == "tok_emb"
+    q_proj = [e for e in report["entries"] if e["module"] == "layers.0.attn.q_proj" and e["step"] == 0
+              and e["phase"] == "forward" and e["slot"].startswith("output")]
+    assert q_proj and all(e["status"] == "drift" and e["ratio"] > 100 for e in q_proj)
 
 
 def test_run_looks_for_backends_on_the_targets_path(pytpu_site):
