@@ -47,6 +47,17 @@ ENV = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1", N
 DATA = Path(__file__).resolve().parent / "data"
 
 
+def make_pytpu_site(site: Path) -> Path:
+    """What ``pip install --no-deps --target SITE tests/data/pytpu`` lays out, made by hand: a
+    Python PrivateUse1 ``tpu`` that ``import torch`` autoloads where SITE is on the path."""
+    shutil.copytree(DATA / "pytpu" / "pytpu", site / "pytpu", ignore=shutil.ignore_patterns("__pycache__"))
+    info = site / "pytpu-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pytpu\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\npytpu = pytpu:autoload\n")
+    return site
+
+
 def dc(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``driftcheck ARGS`` in a fresh process."""
     return subprocess.run([sys.executable, "-m", "driftcheck", *args], capture_output=True,

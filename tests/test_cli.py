@@ -1,6 +1,7 @@
 """The CLI end to end, in subprocesses: exit codes 0/1/2, one-line errors, run, report, models."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -120,6 +121,10 @@ def test_run_one_shot_precision_what_if(tmp_path):
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     assert rep["target"]["dtype"] == "bfloat16" and rep["reference"]["dtype"] == "float32"
     assert rep["reference"]["replay_id"] == rep["target"]["replay_id"]
+    # where stderr is not a terminal: no bars, one line per side once it is recorded
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("recorded ")]
+    assert len(said) == 2 and said[0].startswith("recorded reference: 2/2 steps, ") and "\r" not in p.stderr
+    assert said[1].startswith("recorded target + local replay: 2/2 steps, ") and " tensors, " in said[1]
 
 
 def test_replay_gives_bitwise_identical_start(traces):
@@ -253,15 +258,13 @@ def test_run_hands_each_side_the_users_backend_autoload(tmp_path, monkeypatch):
     class Fake:  # a side's process that records nothing and succeeds
         def __init__(self, cmd, env, **kw):
             envs.append(env)
-            self.stderr, self.returncode = iter(["driftcheck-progress: 1/2\n"]), 0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
+            self.stdin = io.StringIO() if kw.get("stdin") == run_mod.subprocess.PIPE else None
+            self.stderr, self.returncode = io.StringIO("driftcheck-progress: 1/2\n"), 0
 
         def wait(self):
+            return 0
+
+        def poll(self):
             return 0
 
     monkeypatch.setattr(run_mod.subprocess, "Popen", Fake)
@@ -357,3 +360,43 @@ def test_run_long_with_compile_is_refused_before_anything_runs(tmp_path, capsys,
                            capsys)
     assert_one_line_error(code, err, "--long runs eager steps", "--compile")
     assert not out.exists()
+
+
+def test_a_failed_reference_stops_the_side_waiting_for_it(tmp_path):
+    """The target's process starts with the reference's and waits for its turn: when the
+    reference fails, the run says so in one line, and the target records nothing (and does
+    not hang: this test would)."""
+    f = tmp_path / "flaky.py"
+    f.write_text(
+        "import os, torch, driftcheck\n"
+        "def build(seed=0):\n"
+        "    if os.environ.get('FLAKY_SIDE') == 'reference':\n"
+        "        raise RuntimeError('the reference side broke')\n"
+        "    torch.manual_seed(seed)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "    return driftcheck.Scenario(model=model, inputs=[torch.randn(5, 4)], steps=1,\n"
+        "                               loss=lambda out, x: out.pow(2).mean(),\n"
+        "                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n")
+    out = tmp_path / "run"
+    p = dc("--quiet", "run", f"{f}:build", "--target", "cpu", "--out", str(out),
+           "--reference-env", "FLAKY_SIDE=reference")
+    assert p.returncode == 2 and "the reference record failed" in one_line_error(p)
+    assert "the reference side broke" in p.stderr
+    assert not (out / "target" / "manifest.json").exists()
+
+
+def test_a_side_waits_for_its_turn(monkeypatch):
+    """wait_for_turn: nothing without the variable; "go" on stdin lets the record go on; end of
+    input (the reference failed, or run was stopped) ends the process before it records."""
+    import driftcheck.record.run as run_mod
+
+    monkeypatch.delenv(run_mod.GATE_VAR, raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    run_mod.wait_for_turn()  # not started by run: returns at once, reads nothing
+    monkeypatch.setenv(run_mod.GATE_VAR, "1")
+    monkeypatch.setattr("sys.stdin", io.StringIO("go\n"))
+    run_mod.wait_for_turn()
+    monkeypatch.setenv(run_mod.GATE_VAR, "1")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    with pytest.raises(SystemExit):
+        run_mod.wait_for_turn()

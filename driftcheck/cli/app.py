@@ -101,10 +101,17 @@ def cli(ctx: click.Context, debug: bool, quiet: bool, no_color: bool) -> None:
 
 
 def make_progress(obj: Ctx) -> Any:
+    """Bars on a terminal's stderr (steps done of steps, what the trace holds, MB/s); nothing
+    under --quiet or where stderr is a file or a CI log (no carriage returns there)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
+
+    class Written(TextColumn):  # a task's "written" field where it has one (record's sides)
+        def render(self, task: Any) -> Text:
+            return Text(str(task.fields.get("written", "")))
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=obj.console(stderr=True), transient=True,
+                    Written(""), TimeElapsedColumn(), console=obj.console(stderr=True), transient=True,
                     disable=obj.quiet or not sys.stderr.isatty())
 
 

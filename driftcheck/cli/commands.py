@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from driftcheck.cli.app import (
 )
 from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd
 from driftcheck.errors import DriftcheckError
-from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR
+from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR, progress_words, wait_for_turn
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -148,26 +149,33 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
     from driftcheck.record.compilation import settings
 
     compile_ = settings(compile_backend, compile_mode, dynamic, torch_device)
+    scenario = load_scenario(model, seed)
+    wait_for_turn()  # driftcheck run starts a replaying side while its reference still records
     if local is None and not no_local and compile_ is None:
         local = default_local(replay, mode=mode, parallel=parallel, fp8=fp8, start=start)
-    scenario = load_scenario(model, seed)
     progress = make_progress(obj)
     lines = os.environ.get(PROGRESS_VAR) == "lines"  # driftcheck run reads them from our stderr
+    written = [0, 0]
+
+    def on_written(entries: int, nbytes: int) -> None:
+        written[:] = [entries, nbytes]
 
     def on_step(i: int, n: int) -> None:
-        p.update(task, completed=i, total=n)
+        p.update(task, completed=i, total=n, written=progress_words(written[0], written[1], time.monotonic() - t0))
         if lines:
-            click.echo(f"{PROGRESS_PREFIX}{i}/{n}", err=True)
+            click.echo(f"{PROGRESS_PREFIX}{i}/{n} {written[0]} {written[1]}", err=True)
 
     with progress as p:
         what = f"recording {model} on {device} {dtype}" + (" + local replay" if local else "")
-        task = p.add_task(what, total=steps or scenario.steps)
+        task = p.add_task(what, total=steps or scenario.steps, written="")
+        t0 = time.monotonic()
         out = str(do_record(scenario, RecordConfig(
             out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
             full_modules=full_modules, phases=_set(parse_phases(phases)),
             capture_steps=_set(parse_ranges(capture_steps)), transfer=transfer, autocast=autocast,
             fp8=fp8, view_audit=view_audit, local=local, simulate=simulate, parallel=parallel,
+            on_written=on_written,
             emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_,
             mkldnn=None if mkldnn is None else mkldnn == "on")))
     _say_recorded(obj, out, simulate)

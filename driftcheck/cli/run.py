@@ -3,7 +3,9 @@ compared, and drilled down to the op when the verdict fails."""
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import threading
 from pathlib import Path
 
 import click
@@ -116,12 +118,14 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
                   reference_env=ref_env, target_env=tgt_env, compile=compile_backend,
                   reference_compile=reference_compile, compile_mode=compile_mode, dynamic=dynamic)
     progress = make_progress(obj)
+    importing: list[threading.Thread] = []
     with progress as p:
         out_dir, ref_dir, tgt_dir, truth_dir = record_sides(
             sides, debug=obj.debug, say=None if obj.quiet else (lambda m: p.console.print(m, markup=False,
                                                                                             highlight=False)),
-            progress=p)
-        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+            progress=p, on_started=lambda: importing.append(_import_compare_meanwhile()))
+        for thread in importing:
+            thread.join()
         from driftcheck.compare import compare as do_compare
         from driftcheck.gate.policy import Policy
 
@@ -140,3 +144,22 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
         click.echo(f"reports: {out_dir / 'report.json'}" + (f", {out_dir / 'report.html'}" if html else ""))
     finish(obj, report, top, str(out_dir / "report.json"), str(out_dir / "report.html") if html else None,
             junit_path, md_path)
+
+
+def _import_compare_meanwhile() -> threading.Thread:
+    """Import what the compare needs (torch above all) in a thread while the sides record: this
+    process waits for them anyway. Only once every side has started: torch here must not load a
+    device backend (the sides choose for themselves), and the variable that says so would be
+    inherited by a side started after it."""
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+    def work() -> None:
+        for name in ("driftcheck.compare", "driftcheck.report.html"):
+            try:
+                importlib.import_module(name)
+            except Exception:  # the compare's own import says what is wrong, in the main thread
+                return
+
+    thread = threading.Thread(target=work, name="driftcheck-import", daemon=True)
+    thread.start()
+    return thread

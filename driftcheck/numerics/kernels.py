@@ -13,7 +13,8 @@ exponent of each finite pair's |t - r| as a float64: bin k counts errors in [2^(
 2^(k-1022)); bin 0 holds zero and float64-subnormal errors.
 
 Stats mode's kernels (the statistics and samples of captures on the host) are in
-``summary_kernels``; ``host_array`` and ``flat_view`` (how both read a host tensor) are here.
+``summary_kernels``; ``host_array`` and ``flat_view`` (how both read a host tensor) are in ``passes``
+(re-exported here), with ``small_pass``: the same partials in numpy for small chunks.
 
 Sums are float64 and may be reassociated (vectorized partial sums), never fused or approximated:
 no fast-math flag that changes what a single operation returns is set, and NaN/Inf propagate.
@@ -26,12 +27,17 @@ import threading
 
 import numba
 import numpy as np
-import torch
 
-HIST_BINS = 2048  # float64 biased exponents
-_EXPONENT_BITS = np.int64(0x7FF0000000000000)
+from driftcheck.numerics.passes import (  # noqa: F401  (re-exported: how the kernels read a tensor)
+    EXPONENT_BITS,
+    FIELDS,
+    HIST_BINS,
+    RECIPROCAL_BITS,
+    flat_view,
+    host_array,
+)
+
 BLOCK = 1024  # elements per inner block (two float64 buffers stay in L1)
-_RECIPROCAL_BITS = np.int64(2046 << 52)  # bits(2^-k) = bits(2046 << 52) - bits(2^k)
 FLAGS = {"reassoc", "nsz"}  # reorder sums, ignore the sign of zero: results of each op unchanged
 
 
@@ -76,50 +82,6 @@ def hold_interrupts(dispatcher):
 
     dispatcher._compile_for_args = compile_holding_interrupts
     return dispatcher
-
-
-_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.int64: np.int64}
-
-
-def flat_view(t: torch.Tensor) -> np.ndarray:
-    """The elements of a contiguous host float32/float64/int64 tensor as a flat numpy array over
-    the same memory, for a kernel call that does not keep it. Not ``Tensor.numpy()``: that
-    marks the storage as not resizable for good, and FSDP frees an unsharded parameter by
-    resizing its storage to 0 ("Trying to resize storage that is not resizable")."""
-    if type(t) is not torch.Tensor or t.is_neg() or t.is_conj() or not t.is_contiguous() \
-            or t.requires_grad:
-        return t.numpy().reshape(-1)  # what numpy() refuses, it refuses here too
-    if t.numel() == 0:
-        return np.empty(0, dtype=_NUMPY_OF[t.dtype])
-    return np.asarray(_Memory(t))  # the array's base holds the tensor: its memory stays
-
-
-class _Memory:
-    """A contiguous host tensor's memory as numpy's array interface, holding the tensor."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-        self.__array_interface__ = {"shape": (t.numel(),), "typestr": np.dtype(_NUMPY_OF[t.dtype]).str,
-                                    "data": (t.data_ptr(), False), "version": 3}
-
-
-def host_array(t: torch.Tensor) -> np.ndarray:
-    """A real tensor as the kernels read it: flat, on the host, float32 or float64 as stored,
-    narrower floats (fp16, bf16, fp8) widened to float32 and integers/bool to float64, both
-    exact (int64 beyond 2^53 excepted). A view where nothing needs converting."""
-    x = t.detach().reshape(-1).to("cpu")  # move first, then widen: TPU/MPS have no float64
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.to(torch.float32 if x.is_floating_point() else torch.float64)
-    return flat_view(x.contiguous())
-
-
-# Partials returned by both passes, in this order.
-FIELDS = ("n_pair", "n_ref", "n_tgt", "abs", "sq", "rr", "tt", "rt", "ref_sq", "tgt_sq",
-          "max_abs", "max_ulp", "outside", "ref_absmax", "exact",
-          "nan_ref", "nan_tgt", "inf_ref", "inf_tgt", "nonfinite_new", "nonfinite_mismatch",
-          "max_index")
 
 
 @jit(fastmath=FLAGS)
@@ -178,7 +140,7 @@ def finite_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compil
             # its reciprocal has exponent bits 2046 - those, so the multiplication below is
             # exact like a division, at a fraction of its cost. The result is only used when
             # the sums of squares are finite, i.e. every |r| < 2^512: the reciprocal is normal.
-            ar_bits[j] = _RECIPROCAL_BITS - ((y if y > tiny_bits else tiny_bits) & _EXPONENT_BITS)
+            ar_bits[j] = RECIPROCAL_BITS - ((y if y > tiny_bits else tiny_bits) & EXPONENT_BITS)
         if unit > 0.0:
             for j in range(m):
                 ar_buf[j] = ae_buf[j] * ar_buf[j]
@@ -270,7 +232,7 @@ def general_pass(r, t, rtol, atol, tiny, unit, hist):  # pragma: no cover (compi
                 mi = i
             if unit > 0.0:  # ae / 2^floor(log2 max(|r|, tiny)): the exponent bits alone
                 pw[0] = max(ar, tiny)
-                pw_bits[0] &= _EXPONENT_BITS
+                pw_bits[0] &= EXPONENT_BITS
                 mu = max(mu, ae / pw[0])
             else:
                 mu = max(mu, ae)

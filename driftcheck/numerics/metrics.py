@@ -3,7 +3,9 @@
 Pure numerics: no filesystem, no click/rich. Every tensor is read in flat chunks that are moved
 to the CPU one at a time and measured in float64 by one compiled pass (``kernels.py``: each value
 widened in registers, never a float64 copy of the chunk), so memory stays bounded by the chunk
-size however large the tensor. Sums are float64 within a chunk (vectorized partial sums) and
+size however large the tensor (a chunk of at most ``passes.SMALL`` finite pairs is measured by
+numpy instead, with the same results up to the order of its float64 sums: a comparison of small
+tensors never imports numba). Sums are float64 within a chunk (vectorized partial sums) and
 compensated (Neumaier) across chunks, so results do not depend on the chunk size beyond float64
 rounding; maxima, counts, ``max_abs_index`` and the error histogram are exactly independent of it.
 
@@ -45,7 +47,7 @@ import numpy as np
 import torch
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.numerics import kernels
+from driftcheck.numerics import passes
 from driftcheck.numerics.dtypes import DTypeLike, coarser, default_tolerances, eps_tiny, is_exact, known
 
 
@@ -89,9 +91,9 @@ class _Sum:
 
 
 def _as_array(chunk: torch.Tensor) -> np.ndarray:
-    """One chunk as the kernels read it (``kernels.host_array``); complex as interleaved
+    """One chunk as the kernels read it (``passes.host_array``); complex as interleaved
     (real, imag)."""
-    return kernels.host_array(torch.view_as_real(chunk) if chunk.is_complex() else chunk)
+    return passes.host_array(torch.view_as_real(chunk) if chunk.is_complex() else chunk)
 
 
 _LOG10_2 = math.log10(2.0)
@@ -145,7 +147,7 @@ class ErrorAccumulator:
         self._max_index = -1
         self._max_ulp = 0.0
         self._ref_absmax = 0.0
-        self._hist = np.zeros(kernels.HIST_BINS, dtype=np.int64)
+        self._hist = np.zeros(passes.HIST_BINS, dtype=np.int64)
 
     def update(self, ref_chunk: torch.Tensor, tgt_chunk: torch.Tensor) -> None:
         """Add the next chunk pair (same number of elements; any dtype, any device)."""
@@ -158,15 +160,21 @@ class ErrorAccumulator:
         self._n += r.size
         if r.size == 0:
             return
-        hist = np.zeros(kernels.HIST_BINS, dtype=np.int64)
+        hist = np.zeros(passes.HIST_BINS, dtype=np.int64)
         args = (r, t, self.rtol, self.atol, self._tiny, self._unit, hist)
-        p = dict(zip(kernels.FIELDS, kernels.finite_pass(*args)))
-        if math.isfinite(p["rr"]) and math.isfinite(p["tt"]):  # finite sums: every value finite
-            if p["max_abs"] > self._max_abs:
-                p["max_index"] = kernels.first_index(r, t, p["max_abs"])
+        small = passes.small_pass(*args) if r.size <= passes.SMALL else None
+        if small is not None:  # numpy: a small chunk of finite values
+            p = dict(zip(passes.FIELDS, small))
         else:
-            hist[:] = 0
-            p = dict(zip(kernels.FIELDS, kernels.general_pass(*args)))
+            from driftcheck.numerics import kernels  # numba: imported where it is used
+
+            p = dict(zip(passes.FIELDS, kernels.finite_pass(*args)))
+            if math.isfinite(p["rr"]) and math.isfinite(p["tt"]):  # finite sums: every value finite
+                if p["max_abs"] > self._max_abs:
+                    p["max_index"] = kernels.first_index(r, t, p["max_abs"])
+            else:
+                hist[:] = 0
+                p = dict(zip(passes.FIELDS, kernels.general_pass(*args)))
         self._hist += hist
         for f, s in self._sums.items():
             s.add(p[f])

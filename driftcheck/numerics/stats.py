@@ -11,6 +11,8 @@ import zlib
 import numpy as np
 import torch
 
+from driftcheck.numerics import passes
+
 # Column order of the stats vector; the manifest stores them under these names.
 FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
 # fp8 tensors only (NaN columns otherwise, dropped from the manifest): elements flushed into the
@@ -309,9 +311,10 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
         gathered = flat.index_select(0, torch.from_numpy(picks).to(dev))
         parts = iter(gathered.split([min(lengths[i], SAMPLE_SIZE) for i in sampled]))
         samples = [next(parts) if k is not None else None for k in keys]
-    if dev.type == "cpu" and dtype not in _FP8:
+    if dev.type == "cpu" and dtype not in _FP8 and flat.numel() > passes.SMALL_GROUP:
         # On the host: one compiled pass per tensor over the values as stored (widened in
-        # registers), no float64 copy of the group and no masking passes.
+        # registers), no float64 copy of the group and no masking passes. A small group takes
+        # the torch ops below (float64 on the host): no numba import, no kernel compile.
         kernels = _kernels()
         out = np.empty((len(ts), len(FIELDS)), dtype=np.float64)
         kernels.segment_stats(kernels.host_array(flat), np.asarray(lengths, dtype=np.int64), out)

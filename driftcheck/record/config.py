@@ -89,6 +89,8 @@ class RecordConfig:
             can tell the error a module adds from the error it inherits (record/local.py).
         simulate: a simulated faulty backend (targets/simulate.py) the target runs on.
         on_step: called with (steps done, steps in all) after each step (a progress bar).
+        on_written: called before ``on_step`` with (entries, bytes of their tensors) the trace
+            holds so far (what the progress shows besides the steps).
         target_hooks: called with the model after it is placed, before recording (fault
             injection in tests and benchmarks); if what it returns has ``set_step``, that is
             called with each step's number (a fault scheduled to begin at some step).
@@ -128,6 +130,7 @@ class RecordConfig:
     view_audit: bool = False
     simulate: str | None = None
     on_step: Callable[[int, int], None] | None = None
+    on_written: Callable[[int, int], None] | None = None
     target_hooks: Callable[[Any], Any] | None = None
     parallel: str | None = None
     start: int | None = None

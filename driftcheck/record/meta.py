@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from driftcheck.numerics import passes
 from driftcheck.targets import deferred
 from driftcheck.targets.deferred import DEFERRED_TYPES
 
@@ -158,6 +159,8 @@ def backward_meta(ctx: dict[str, Any]) -> dict[str, Any]:
 def _col_sumsq(x: torch.Tensor, k: int) -> torch.Tensor:
     """Column sums of squares of ``x`` seen as (-1, k): float32, on x's device; on the host, a
     contiguous float32/float64 ``x`` in one compiled pass (float64 sums) without a temporary."""
+    if x.is_cpu and x.dtype in (torch.float32, torch.float64) and x.numel() <= passes.SMALL:
+        return (x.reshape(-1, k).double() ** 2).sum(0).float()  # small: float64 sums, no numba
     if x.is_cpu and x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and x.numel():
         from driftcheck.numerics import summary_kernels as kernels  # numba: imported where it is used
 

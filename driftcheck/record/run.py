@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,10 +94,13 @@ def prepare_run_dir(out: Path, force: bool) -> Path:
 
 
 def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None] | None = None,
-                 progress: Any = None) -> tuple[Path, Path, Path, Path | None]:
+                 progress: Any = None, on_started: Callable[[], None] | None = None
+                 ) -> tuple[Path, Path, Path, Path | None]:
     """Record every side of ``sides``; (run dir, reference, target, truth or None). Every option
     and device is checked before anything is recorded or any directory made. ``progress``: a
-    rich Progress that gets one bar per side, advanced as its process finishes each step."""
+    rich Progress that gets one bar per side, advanced as its process finishes each step.
+    ``on_started``: called once every side's process has started (no process starts after it:
+    the caller may then change its own environment, e.g. import torch for the compare)."""
     user_autoload = os.environ.get(devices.AUTOLOAD_VAR)
     check(sides)
     # checking torch's own devices set TORCH_DEVICE_BACKEND_AUTOLOAD=0 here: each side must get
@@ -109,14 +113,6 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     common = sides.capture_args()
     ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
     ref_env, tgt_env = env_args(sides.reference_env), env_args(sides.target_env)
-    record_side([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
-             sides.reference_dtype] + common + sides.compile_args(sides.reference_compile) + ref_env,
-            "reference", debug, say, progress,
-            env=sides.reference_env)
-    if sides.truth:
-        record_side([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
-                 "--replay", str(ref_dir), "--no-local"] + common + ref_env, "truth (float64)", debug,
-                say, progress, env=sides.reference_env)
     tgt_args = [sides.model, "--out", str(tgt_dir), "--device", sides.target, "--dtype",
                 sides.target_dtype, "--replay", str(ref_dir)] + common
     for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
@@ -126,8 +122,27 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
             tgt_args += [flag, val]
     tgt_args += ["--local", str(ref_dir)] if sides.local else ["--no-local"]
     tgt_args += sides.compile_args(sides.compile)
-    record_side(tgt_args + tgt_env, "target + local replay" if sides.local else "target", debug, say,
-            progress, env=sides.target_env)
+    # The sides that replay the reference start with it and wait for their turn (wait_for_turn):
+    # their imports and model builds overlap the reference's record, their records follow it.
+    reference = SideProcess([sides.model, "--out", str(ref_dir), "--device", sides.reference, "--dtype",
+                             sides.reference_dtype] + common + sides.compile_args(sides.reference_compile)
+                            + ref_env, "reference", debug, say, progress, env=sides.reference_env)
+    later = [SideProcess([sides.model, "--out", str(truth_dir), "--device", "cpu", "--dtype", "fp64",
+                          "--replay", str(ref_dir), "--no-local"] + common + ref_env, "truth (float64)",
+                         debug, say, progress, env=sides.reference_env, gated=True)] if sides.truth else []
+    later.append(SideProcess(tgt_args + tgt_env, "target + local replay" if sides.local else "target",
+                             debug, say, progress, env=sides.target_env, gated=True))
+    try:
+        if on_started is not None:
+            on_started()
+        reference.finish()
+        for side in later:
+            side.go()
+        for side in later:
+            side.finish()
+    finally:
+        for side in [reference, *later]:
+            side.stop()
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
 
 
@@ -185,30 +200,109 @@ def env_args(env: dict[str, str]) -> list[str]:
 
 
 def record_side(args: list[str], label: str, debug: bool, say: Callable[[str], None] | None,
-            progress: Any = None, env: dict[str, str] | None = None) -> None:
-    """Record in a fresh process: backends and precision settings cannot leak between runs. Its
-    steps come back as progress lines on its stderr; the rest of stderr is its message."""
-    cmd = [sys.executable, "-m", "driftcheck", "--quiet"] + (["--debug"] if debug else []) + ["record"] + args
-    if say is not None:
-        say(f"recording {label}: driftcheck record {' '.join(args)}")
-    task = progress.add_task(f"recording {label}", total=None) if progress is not None else None
-    env = dict(os.environ, **(env or {}), **{PROGRESS_VAR: "lines"})
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+                progress: Any = None, env: dict[str, str] | None = None) -> None:
+    """Record in a fresh process and wait for it (``SideProcess``)."""
+    side = SideProcess(args, label, debug, say, progress, env=env)
+    try:
+        side.finish()
+    finally:
+        side.stop()
+
+
+GATE_VAR = "DRIFTCHECK_WAIT_FOR_TURN"  # "1": record reads "go" from stdin before it replays
+GO = "go"
+
+
+def wait_for_turn() -> None:
+    """In a record started by ``driftcheck run`` before the reference it replays is complete:
+    load what every record loads while the reference records (torch's compiler front end, which
+    an optimizer imports), then wait for ``GO`` on stdin. End of input (the
+    reference failed, or ``driftcheck run`` was stopped): exit at once, recording nothing."""
+    if os.environ.get(GATE_VAR) != "1":
+        return
+    os.environ.pop(GATE_VAR)
+    import torch._dynamo  # noqa: F401  (torch.optim's constructors import it)
+
+    if sys.stdin.readline().strip() != GO:
+        raise SystemExit(3)
+
+
+def progress_words(entries: int, nbytes: int, seconds: float) -> str:
+    """What a side has written so far, for a person: "486 tensors, 3.1 MB, 2.4 MB/s"."""
+    mb = nbytes / 1e6
+    rate = f", {mb / seconds:.1f} MB/s" if seconds > 0 and nbytes else ""
+    return f"{entries} tensors, {mb:.1f} MB{rate}"
+
+
+class SideProcess:
+    """One side's ``driftcheck record``, in a fresh process: backends and precision settings
+    cannot leak between sides. Its steps come back as progress lines on its stderr (steps done
+    of steps, tensors and bytes written); the rest of stderr is its message. ``gated``: it waits
+    for ``go()`` before it records (``wait_for_turn``)."""
+
+    def __init__(self, args: list[str], label: str, debug: bool, say: Callable[[str], None] | None,
+                 progress: Any = None, env: dict[str, str] | None = None, gated: bool = False) -> None:
+        self.label, self.debug, self.say, self.progress = label, debug, say, progress
+        cmd = [sys.executable, "-m", "driftcheck", "--quiet"] + (["--debug"] if debug else []) + ["record"] + args
+        if say is not None:
+            say(f"recording {label}: driftcheck record {' '.join(args)}")
+        extra = {PROGRESS_VAR: "lines", **({GATE_VAR: "1"} if gated else {})}
+        self.proc = subprocess.Popen(cmd, env=dict(os.environ, **(env or {}), **extra),
+                                     stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.started = time.monotonic()
+        self.task = None
+        self.steps = self.written = ""
+
+    def go(self) -> None:
+        """The reference is complete: this side records now (it may have failed already: then
+        ``finish`` says why)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(GO + "\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def finish(self) -> None:
+        """Follow the side to its end; its failure as one line (DriftcheckError)."""
+        if self.progress is not None:
+            self.task = self.progress.add_task(f"recording {self.label}", total=None)
         lines = []
-        assert proc.stderr is not None
-        for line in proc.stderr:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
             if line.startswith(PROGRESS_PREFIX):
-                done, _, total = line[len(PROGRESS_PREFIX):].strip().partition("/")
-                if task is not None and done.isdigit() and total.isdigit():
-                    progress.update(task, completed=int(done), total=int(total))
+                self._advance(line[len(PROGRESS_PREFIX):].split())
             else:
                 lines.append(line)
-        proc.wait()
-    if task is not None:
-        progress.remove_task(task)
-    if proc.returncode != 0:
-        stderr = "".join(lines)
-        msg = (stderr.strip().splitlines() or ["(no message)"])[-1]
-        if debug:
-            sys.stderr.write(stderr)
-        raise DriftcheckError(f"the {label} record failed: {msg.removeprefix('driftcheck: ')}")
+        self.proc.wait()
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+        if self.proc.returncode != 0:
+            stderr = "".join(lines)
+            msg = (stderr.strip().splitlines() or ["(no message)"])[-1]
+            if self.debug:
+                sys.stderr.write(stderr)
+            raise DriftcheckError(f"the {self.label} record failed: {msg.removeprefix('driftcheck: ')}")
+        if self.say is not None and self.steps:
+            self.say(f"recorded {self.label}: {self.steps} steps, {self.written} "
+                     f"in {time.monotonic() - self.started:.1f} s")
+
+    def _advance(self, fields: list[str]) -> None:
+        done, _, total = fields[0].partition("/") if fields else ("", "", "")
+        if not (done.isdigit() and total.isdigit()):
+            return
+        self.steps = f"{done}/{total}"
+        if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
+            self.written = progress_words(int(fields[1]), int(fields[2]), time.monotonic() - self.started)
+        if self.task is not None:
+            self.progress.update(self.task, completed=int(done), total=int(total), written=self.written)
+
+    def stop(self) -> None:
+        """End the process where it still runs (another side failed, or an interrupt)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stderr):
+            if stream is not None:
+                stream.close()

@@ -13,7 +13,7 @@ import contextlib
 import difflib
 import fnmatch
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -202,7 +202,7 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
             with contexts.fault, contexts.emulate as emulation, contexts.audit:
                 train(m.trained, inputs.batches, scenario, m.optimizer, device=device,
                       dtype=tdtype, dropout=dropout, autocast=config.autocast, tracer=tracer,
-                      fp8_handle=m.fp8, on_step=config.on_step, model_id=config.model_id,
+                      fp8_handle=m.fp8, on_step=_on_step(config, writer), model_id=config.model_id,
                       first_step=config.start or 0, step_hook=getattr(m.hook, "set_step", None))
             if tracer.audit is not None:
                 tracer.events = tracer.audit.events()
@@ -279,6 +279,19 @@ def _run_metadata(scenario: Scenario, config: RecordConfig, model: nn.Module, in
                             "ops": dict(sorted(emulation.calls.items()))}
         run.setdefault("precision", {})["emulation"] = {"backend": "tpu", "matmul_precision": c.emulate}
     return run
+
+
+def _on_step(config: RecordConfig, writer: TraceWriter) -> Callable[[int, int], None] | None:
+    """The loop's step callback: what the trace holds so far (``on_written``), then the step."""
+    if config.on_written is None:
+        return config.on_step
+    written, step = config.on_written, config.on_step
+
+    def on_step(done: int, total: int) -> None:
+        written(len(writer.entries), writer.tensor_bytes)
+        if step is not None:
+            step(done, total)
+    return on_step
 
 
 def default_local(replay: str | os.PathLike | None, *, mode: str, parallel: str | None,

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from driftcheck.numerics import passes
 from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.meta import kink_profile_of
 from driftcheck.targets import deferred
@@ -33,7 +34,8 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     four passes over x in its own dtype (no float32 copy of the logits)."""
     x = x.detach()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() \
-            and dim % x.dim() == x.dim() - 1 and x.is_contiguous() and type(x) is torch.Tensor:
+            and dim % x.dim() == x.dim() - 1 and x.is_contiguous() and type(x) is torch.Tensor \
+            and x.numel() > passes.SMALL:  # small logits: the torch ops below, no numba
         # On the host, softmax over the last dim: both scans of a row in one compiled call
         # while the row is in cache (the same float32 value as the torch ops below).
         from driftcheck.numerics import summary_kernels as k  # numba: imported where it is used

@@ -4,7 +4,7 @@ Built with jinja2 (autoescape on) from ``driftcheck/templates/report.html.j2``. 
 charts (the drift ratio along execution order, the module x (step, phase) map) are drawn in the
 page by plotly.js, inlined from the ``plotly`` package, from the same JSON blocks as the entry
 table; their tooltips are the page's own, filled with ``textContent``, so a module name is never
-markup. The error histograms are static SVG from matplotlib (text as text, math parsing off).
+markup. The error histograms are static SVG drawn by ``report/histogram.py`` (text as text).
 The JSON travels inside ``<script type="application/json">`` blocks (``</`` escaped); only a page
 of table rows is in the DOM at a time, and the chart draws at most ``MAX_CHART_POINTS`` (the worst
 of each bin of the visible range, redrawn on zoom): the page stays fast with 50k entries.
@@ -12,12 +12,10 @@ of each bin of the visible range, redrawn on zoom): the page stays fast with 50k
 from __future__ import annotations
 
 import functools
-import io
-import itertools
 import json
 import math
 import re
-from typing import Any, cast
+from typing import Any
 
 import jinja2
 import markupsafe
@@ -35,6 +33,7 @@ from driftcheck.report.common import (
     root_cause_lines,
     worst,
 )
+from driftcheck.report.histogram import histogram_svg
 from driftcheck.store.format import PHASES
 
 # Okabe-Ito palette: tells the phases apart for colour-blind readers too.
@@ -321,64 +320,7 @@ def _details(report: Report, first_entry: Entry | None) -> list[dict[str, Any]]:
             "more_metrics": [(k, e.metrics[k]) for k in METRIC_ROWS if k in e.metrics and k not in KEY_METRICS]
             + [(k, v) for k, v in e.metrics.items() if k not in METRIC_ROWS and k not in KEY_METRICS],
             "stats": [(k, ref.get(k), tgt.get(k)) for k in STAT_ROWS if k in ref or k in tgt],
-            "histogram_svg": _histogram_chart(hist, e.floor, f"hist-{len(out)}") if hist else "",
+            "histogram_svg": histogram_svg(hist, e.floor) if hist else "",
             "exact": (hist or {}).get("exact"),
         })
     return out
-
-
-# --- charts ---------------------------------------------------------------------------------
-
-def _rc() -> dict[Any, Any]:  # matplotlib types its keys as a Literal of every rc name
-    return {"svg.fonttype": "none", "text.parse_math": False, "font.family": "sans-serif",
-            "font.size": 9, "axes.spines.top": False, "axes.spines.right": False,
-            "axes.edgecolor": "#888888", "axes.labelcolor": "#333333", "xtick.color": "#555555",
-            "ytick.color": "#555555", "svg.image_inline": True}
-
-
-def _svg(fig: Any, salt: str, label: str) -> str:
-    """The figure as an inline ``<svg>``: no XML prolog or metadata, scales to its container."""
-    import matplotlib
-
-    buf = io.StringIO()
-    # A fixed salt per figure keeps the output deterministic and the element ids unique per page.
-    with matplotlib.rc_context({"svg.hashsalt": salt}):
-        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
-    svg = buf.getvalue()
-    svg = svg[svg.index("<svg"):]
-    svg = re.sub(r"<metadata>.*?</metadata>\s*", "", svg, flags=re.S)
-    # Several figures share one page: prefix every id (and every reference to one) per figure.
-    svg = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{salt}-{m.group(1)}"', svg)
-    svg = re.sub(r'(href="#|url\(#)([^")]+)', lambda m: f"{m.group(1)}{salt}-{m.group(2)}", svg)
-    svg = re.sub(r'<svg([^>]*?) width="[^"]*" height="[^"]*"',
-                 lambda m: f'<svg{m.group(1)} class="chart" role="img" aria-label="{_attr(label)}"', svg, count=1)
-    return svg
-
-
-def _attr(text: str) -> str:
-    return (text.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;").replace(">", "&gt;"))
-
-
-def _histogram_chart(hist: dict[str, Any], floor: float | None, salt: str) -> str:
-    """The error histogram over log10 |target - reference|, with the noise floor marked."""
-    import matplotlib
-    from matplotlib.figure import Figure
-
-    edges = [as_float(x) for x in hist.get("edges", [])]
-    counts = [as_float(x) or 0.0 for x in hist.get("counts", [])]
-    if len(edges) != len(counts) + 1 or not counts or any(x is None or not math.isfinite(x) for x in edges):
-        return ""
-    ends = cast(list[float], edges)  # no None among them: checked above
-    with matplotlib.rc_context(_rc()):
-        fig = Figure(figsize=(4.2, 1.9))
-        ax = fig.add_subplot()
-        widths = [b - a for a, b in itertools.pairwise(ends)]
-        ax.bar(ends[:-1], counts, width=widths, align="edge", color="#0072B2", alpha=0.8, lw=0)
-        if floor is not None and floor > 0 and math.isfinite(floor):
-            ax.axvline(math.log10(floor), color="#D55E00", lw=1.2, ls="--")
-            ax.text(math.log10(floor), 1.01, "floor", transform=ax.get_xaxis_transform(), color="#D55E00",
-                    fontsize=8, va="bottom", ha="center")
-        ax.set_xlabel("log10 |target − reference|")
-        ax.set_ylabel("elements")
-        return _svg(fig, f"driftcheck-{salt}", "error histogram")
-

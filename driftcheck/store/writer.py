@@ -108,6 +108,7 @@ class TraceWriter:
         self.background = background
         self.fsync = fsync
         self.entries: list[dict[str, Any]] = []
+        self.tensor_bytes = 0  # bytes of the tensors added so far (the progress a record shows)
         self.shards: dict[str, int] = {}
         self._shard_index = 0
         self._shard_name = fmt.shard_name(0)  # the shard being filled
@@ -155,6 +156,7 @@ class TraceWriter:
         self._reserve(nbytes)
         self._pending.append((name, t))
         self._pending_bytes += nbytes
+        self.tensor_bytes += nbytes
         # the writer thread adds the CRC32C of the bytes it writes (manifest written after it)
         ref = self._refs[name] = {"shard": self._shard_name, "name": name}
         return ref

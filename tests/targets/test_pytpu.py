@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import DATA, ENV, assert_one_line_error
+from conftest import ENV, assert_one_line_error, make_pytpu_site
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,14 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def pytpu_site(tmp_path_factory) -> Path:
     """What ``pip install --no-deps --target SITE tests/data/pytpu`` lays out, made by hand."""
-    site = tmp_path_factory.mktemp("pytpu-site")
-    shutil.copytree(DATA / "pytpu" / "pytpu", site / "pytpu",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    info = site / "pytpu-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pytpu\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[torch.backends]\npytpu = pytpu:autoload\n")
-    return site
+    return make_pytpu_site(tmp_path_factory.mktemp("pytpu-site"))
 
 
 def _env(site: Path | None, **extra: str) -> dict[str, str]:
