@@ -7,12 +7,14 @@ entries and is held to a few dozen bytes each by the columnar JSON (report/page_
 """
 from __future__ import annotations
 
+import json
 import re
 
 from conftest_report import big_report
+from hypothesis import given, strategies as st
 
 from driftcheck.report.html import render_html
-from driftcheck.report.page_data import plotly_js
+from driftcheck.report.page_data import compact_json, plotly_js
 
 MB = 1_000_000
 
@@ -50,3 +52,12 @@ def test_a_ten_thousand_entry_report_stays_under_2_mb() -> None:
     assert sizes["total"] <= 2 * MB, sizes
     data = sizes["entries-data"] + sizes["map-data"]
     assert data / len(report.entries) < 70, sizes  # ~64 bytes an entry: table, then map
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False) | st.integers(-10**6, 10**6) | st.none()
+                | st.text(max_size=8)))
+def test_compact_json_reads_back_exactly(values: list) -> None:
+    """The shortest spellings (``7122e-7``) are JSON numbers that read back as the same floats."""
+    text = compact_json({"v": values})
+    assert json.loads(text) == {"v": values}
+    assert "<" not in text and "NaN" not in text and "Infinity" not in text
