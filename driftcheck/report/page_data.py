@@ -7,7 +7,7 @@ the entry's index implied by its position, every string (module, slot, phase, st
 index into one shared table, numbers with the digits the page shows and sorts by (4 significant,
 7 for the cosine) in their shortest JSON spelling (``7122e-7`` for 0.0007122). The module map
 names each cell's worst entry by its index in the table: the page reads its ratio, slot and status
-from there. ``report.js`` rebuilds the rows (``decode``).
+from there. ``report.js`` rebuilds one array per row from the columns when the page loads.
 
 plotly.js is a partial bundle (core, scatter, heatmap: the traces the pages draw; about 1 MB
 where the whole library is 4.6 MB) built by ``tools/plotly-bundle/build.js`` and shipped as package
@@ -122,7 +122,7 @@ def _column(values: list[Any]) -> Any:
     return values[0] if values and all(v == values[0] and type(v) is type(values[0]) for v in values) else values
 
 
-# The table's columns in report.js's order ("i", the position, is implied); how each is written.
+# The columns written as indices into the shared string table (report.js's TEXT).
 _STRING_COLUMNS = ("phase", "module", "slot", "status", "rule")
 
 
