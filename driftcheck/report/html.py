@@ -2,18 +2,16 @@
 
 Built with jinja2 (autoescape on) from ``driftcheck/templates/report.html.j2``. The interactive
 charts (the drift ratio along execution order, the module x (step, phase) map) are drawn in the
-page by plotly.js, inlined from the ``plotly`` package, from the same JSON blocks as the entry
-table; their tooltips are the page's own, filled with ``textContent``, so a module name is never
-markup. The error histograms are static SVG drawn by ``report/histogram.py`` (text as text).
+page by plotly.js (a partial bundle: core, scatter, heatmap; ``page_data.py``), inlined, from the
+same compact JSON blocks as the entry table; their tooltips are the page's own, filled with
+``textContent``, so a module name is never markup. The error histograms are static SVG drawn by
+``report/histogram.py`` (text as text).
 The JSON travels inside ``<script type="application/json">`` blocks (``</`` escaped); only a page
 of table rows is in the DOM at a time, and the chart draws at most ``MAX_CHART_POINTS`` (the worst
 of each bin of the visible range, redrawn on zoom): the page stays fast with 50k entries.
 """
 from __future__ import annotations
 
-import functools
-import json
-import math
 import re
 from typing import Any
 
@@ -34,7 +32,10 @@ from driftcheck.report.common import (
     worst,
 )
 from driftcheck.report.histogram import histogram_svg
+from driftcheck.report.page_data import Strings, compact_json, module_map, plotly_js, script_json, table_data
 from driftcheck.store.format import PHASES
+
+__all__ = ["environment", "plotly_js", "render_html", "script_json"]
 
 # Okabe-Ito palette: tells the phases apart for colour-blind readers too.
 PHASE_COLORS = {"params": "#999999", "forward": "#0072B2", "loss": "#000000", "backward": "#E69F00",
@@ -68,6 +69,11 @@ def render_html(report: Report) -> str:
     by_key = {e.key: e for e in ordered}
     first = report.first_divergence or None
     first_entry = by_key.get(first["key"]) if first and "key" in first else None
+    strings = Strings()
+    table = table_data(ordered, limits, first_entry, [c[0] for c in TABLE_COLUMNS], strings)
+    map_json = compact_json(module_map(ordered, strings))
+    table.update(strings=strings.table(), colors=PHASE_COLORS, max_points=MAX_CHART_POINTS)
+    table_json = compact_json(table)
     env = environment()
     context = {
         "report": report,
@@ -83,8 +89,8 @@ def render_html(report: Report) -> str:
         "first_extra": _first_extra(first),
         "root_cause": root_cause_lines(report.root_cause),
         "chart_points": sum(1 for e in ordered if e.ratio is not None),
-        "table_json": script_json(_table_data(ordered, limits, first_entry)),
-        "map_json": script_json(_module_map(ordered)),
+        "table_json": table_json,
+        "map_json": map_json,
         "plotly_js": plotly_js(),
         "columns": TABLE_COLUMNS,
         "statuses": sorted({e.status for e in report.entries}),
@@ -129,84 +135,9 @@ def _wbr(text: Any) -> markupsafe.Markup:
     return markupsafe.Markup("<wbr>").join(markupsafe.escape(p) for p in parts)
 
 
-@functools.lru_cache(maxsize=1)
-def plotly_js() -> str:
-    """plotly.js, from the ``plotly`` package (MIT), inlined: the report opens offline."""
-    from plotly.offline import get_plotlyjs
-
-    return get_plotlyjs().replace("</script", "<\\/script")
-
-
 def _resource(name: str) -> str:
     loader = jinja2.PackageLoader("driftcheck", "templates")
     return loader.get_source(jinja2.Environment(), name)[0]
-
-
-def script_json(data: Any) -> str:
-    """JSON safe inside ``<script type="application/json">``: no ``</``, ``<!--`` or line separators."""
-    text = json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
-
-
-def _json_num(x: Any, digits: int = 4) -> Any:
-    value = as_float(x)
-    if value is None:
-        return None
-    if not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(x, int) and not isinstance(x, bool):
-        return int(x)
-    return float(f"{value:.{digits}g}")  # the table shows 3 digits; sorting needs no more
-
-
-def _table_data(ordered: list[Entry], limits: list[tuple[float, str]], first: Entry | None) -> dict[str, Any]:
-    # Rows are arrays and rules are indices into one list: a few dozen bytes per entry.
-    rules: dict[str, int] = {}
-    rows = []
-    for i, (e, (limit, rule)) in enumerate(zip(ordered, limits)):
-        m = e.metrics
-        rule_id = rules.setdefault(rule if e.ratio is not None else "", len(rules))
-        rows.append([i, e.step, e.phase, e.module, e.slot, e.status, _json_num(e.ratio),
-                     _json_num(e.local_ratio), limit, _json_num(e.floor), _json_num(m.get("max_abs")),
-                     _json_num(m.get("rel_l2")), e.call, _json_num(m.get("max_ulp")),
-                     _json_num(m.get("cosine"), 7), rule_id])
-    first_i = next((i for i, e in enumerate(ordered) if e is first), None)
-    steps = sorted({e.step for e in ordered})
-    return {"columns": [c[0] for c in TABLE_COLUMNS], "rules": list(rules), "rows": rows,
-            "first": first_i, "colors": PHASE_COLORS, "max_points": MAX_CHART_POINTS,
-            "steps": [[s, min(i for i, e in enumerate(ordered) if e.step == s),
-                       max(i for i, e in enumerate(ordered) if e.step == s)] for s in steps]}
-
-
-def _module_map(ordered: list[Entry]) -> dict[str, Any]:
-    """Module x (step, phase): each cell the worst judged ratio of that module's entries there
-    (its limit-relative colour is drawn in the page), the slot it belongs to and how many."""
-    modules: dict[str, int] = {}
-    cols: dict[tuple[int, str], int] = {}
-    rank = {p: i for i, p in enumerate(PHASES)}
-    for e in ordered:
-        modules.setdefault(e.module, len(modules))
-    for step, phase in sorted({(e.step, e.phase) for e in ordered}, key=lambda c: (c[0], rank.get(c[1], 99))):
-        cols[(step, phase)] = len(cols)
-    cells: dict[tuple[int, int], list[Any]] = {}
-    for e in ordered:
-        ratio = as_float(e.ratio)
-        if ratio is None or e.status == "ignored":
-            continue
-        limit = e.limit if e.limit is not None else math.nan
-        score = math.inf if math.isnan(ratio) else ratio / limit if limit and limit > 0 else ratio
-        key = (modules[e.module], cols[(e.step, e.phase)])
-        cell = cells.get(key)
-        if cell is None:
-            cells[key] = [key[0], key[1], score, _json_num(ratio), e.slot, 1, e.status]
-        else:
-            cell[5] += 1
-            if score > cell[2]:
-                cell[2:5], cell[6] = [score, _json_num(ratio), e.slot], e.status
-    out = [[r, c, _json_num(score), ratio, slot, n, st] for r, c, score, ratio, slot, n, st in cells.values()]
-    return {"modules": [module_label(m) for m in modules], "raw": list(modules),
-            "cols": [[s, p] for s, p in cols], "cells": out}
 
 
 def _status_counts(entries: list[Entry]) -> list[tuple[str, int]]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck.report.html import environment, plotly_js, script_json
+from driftcheck.report.html import environment
+from driftcheck.report.page_data import plotly_js, script_json
 
 
 def side_words(run: dict[str, Any] | None) -> str:

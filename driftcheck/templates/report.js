@@ -32,7 +32,7 @@
     if (a >= 1e4 || a < 1e-3) return v.toExponential(2).replace(/\.?0+e/, "e");
     return String(Number(v.toPrecision(3)));
   }
-  function label(m) { return m === "" || m === "." ? ROOT : m; }
+  function label(m) { return m === "" || m === "." || m === null || m === undefined ? ROOT : m; }
   // A dotted path as text nodes with <wbr> after each dot or underscore: it wraps there, never mid-word.
   function pathInto(el, text) {
     var parts = text.split(/(?<=[._\/])/);
@@ -42,10 +42,23 @@
     }
   }
 
-  var rows = data.rows.map(function (r) {
-    r[col.rule] = data.rules[r[col.rule]];
-    return { r: r, hay: [label(r[col.module]), r[col.slot], r[col.phase], r[col.status], r[col.rule],
-      "step " + r[col.step]].join(" ").toLowerCase() };
+  // The table travels columnar (report/page_data.py): per column an array, or the one value every
+  // row shares; text as indices into data.strings; "i" is the row's position. One array per row
+  // again, in data.columns' order.
+  var TEXT = { phase: 1, module: 1, slot: 1, status: 1, rule: 1 };
+  var rows = [];
+  for (var k = 0; k < data.n; k++) rows.push({ r: new Array(ids.length), hay: "" });
+  ids.forEach(function (id, c) {
+    var v = data.data[id], many = Array.isArray(v);
+    for (var k = 0; k < data.n; k++) {
+      var x = id === "i" ? k : many ? v[k] : v;
+      rows[k].r[c] = TEXT[id] ? data.strings[x] : x;
+    }
+  });
+  rows.forEach(function (o) {
+    var r = o.r;
+    o.hay = [label(r[col.module]), r[col.slot], r[col.phase], r[col.status], r[col.rule],
+      "step " + r[col.step]].join(" ").toLowerCase();
   });
   // cell: an exact (module, step, phase) from the map; hit: the row a chart click asked for
   var state = { by: col.i, dir: 1, text: "", status: "", phase: "", cell: null, hit: null, shown: PAGE };
@@ -321,18 +334,27 @@
   // -- module map ----------------------------------------------------------------------------
   var mapEl = document.getElementById("module-map");
   var map = JSON.parse(document.getElementById("map-data").textContent);
-  if (mapEl && map.cells.length) {
-    var R = map.modules.length, C = map.cols.length;
+  if (mapEl && map.worst.length) {
+    // Each cell names its worst entry by its table index: its ratio, slot and status are read
+    // from that row; its row and column are that entry's module and (step, phase).
+    var mods = map.modules.map(function (s) { return data.strings[s]; });
+    var cols = map.cols.map(function (c) { return [c[0], data.strings[c[1]]]; });
+    var R = mods.length, C = cols.length;
+    var rowOf = new Map(), colOf = new Map();
+    mods.forEach(function (m, a) { rowOf.set(m, a); });
+    cols.forEach(function (c, b) { colOf.set(c[0] + " " + c[1], b); });
     var z = [], info = [];
     for (var a = 0; a < R; a++) { z.push(new Array(C).fill(null)); info.push(new Array(C).fill(null)); }
-    map.cells.forEach(function (c) {
-      var score = num(c[2]);
+    map.worst.forEach(function (w, k) {
+      var r = rows[w].r, score = num(map.score[k]);
+      var c = { row: rowOf.get(r[col.module]), col: colOf.get(r[col.step] + " " + r[col.phase]), r: r,
+        n: Array.isArray(map.count) ? map.count[k] : map.count };
       // log10(ratio / limit), clipped to [-2, 2]: 0 is the limit
-      z[c[0]][c[1]] = isFinite(score) ? Math.max(-2, Math.min(2, Math.log10(Math.max(score, 1e-2)))) : 2;
-      info[c[0]][c[1]] = c;
+      z[c.row][c.col] = isFinite(score) ? Math.max(-2, Math.min(2, Math.log10(Math.max(score, 1e-2)))) : 2;
+      info[c.row][c.col] = c;
     });
     var shortPhase = { forward: "fwd", backward: "bwd", grads: "grads", optimizer: "optim", params: "params", loss: "loss" };
-    var xt = map.cols.map(function (c) { return (data.steps.length > 1 ? "s" + c[0] + " " : "") + (shortPhase[c[1]] || c[1]); });
+    var xt = cols.map(function (c) { return (data.steps.length > 1 ? "s" + c[0] + " " : "") + (shortPhase[c[1]] || c[1]); });
     var showNames = R <= 80;
     // Plotly reads tick labels as its own markup: escape them, so a name is only ever text.
     var esc = function (t) { return t.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;"); };
@@ -342,7 +364,7 @@
       xaxis: { tickvals: xt.map(function (_, k) { return k; }).filter(function (k) { return k % Math.ceil(C / 30) === 0; }),
         ticktext: xt.filter(function (_, k) { return k % Math.ceil(C / 30) === 0; }), side: "bottom", fixedrange: false },
       yaxis: { tickvals: showNames ? map.modules.map(function (_, k) { return k; }) : [],
-        ticktext: showNames ? map.modules.map(function (m) { return esc(m.length > 36 ? "\u2026" + m.slice(-35) : m); }) : [],
+        ticktext: showNames ? mods.map(function (m) { m = label(m); return esc(m.length > 36 ? "\u2026" + m.slice(-35) : m); }) : [],
         autorange: "reversed", showticklabels: showNames },
       plot_bgcolor: "#fff", paper_bgcolor: "#fff", font: { family: "system-ui, sans-serif", size: 10.5 }
     };
@@ -356,9 +378,9 @@
       if (!p) return;
       var c = info[p.y] && info[p.y][p.x];
       if (!c) { hideTip(); return; }
-      var colInfo = map.cols[c[1]];
-      showTip(ev, [["module", map.modules[c[0]]], ["step", String(colInfo[0])], ["phase", colInfo[1]],
-        ["worst ratio", fmt(c[3])], ["worst slot", c[4]], ["entries", String(c[5])], ["status", c[6]]]);
+      var r = c.r;
+      showTip(ev, [["module", label(mods[c.row])], ["step", String(cols[c.col][0])], ["phase", cols[c.col][1]],
+        ["worst ratio", fmt(r[col.ratio])], ["worst slot", r[col.slot]], ["entries", String(c.n)], ["status", r[col.status]]]);
     });
     mapEl.on("plotly_unhover", hideTip);
     mapEl.on("plotly_click", function (ev) {
@@ -366,7 +388,7 @@
       var c = p && info[p.y] && info[p.y][p.x];
       if (!c) return;
       hideTip();
-      showCell({ module: map.raw[c[0]], step: map.cols[c[1]][0], phase: map.cols[c[1]][1] });
+      showCell({ module: mods[c.row], step: cols[c.col][0], phase: cols[c.col][1] });
     });
   }
 })();

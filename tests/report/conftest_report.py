@@ -192,13 +192,17 @@ def hostile_report() -> Report:
     )
 
 
-def big_report(n_modules: int = 400, steps: int = 2) -> Report:
-    """Thousands of entries (n_modules * steps * 11 slots): for size and speed checks."""
+def big_report(n_modules: int = 400, steps: int = 2, histograms: int = 0) -> Report:
+    """Thousands of entries (n_modules * steps * 8 slots): for size and speed checks.
+    ``histograms``: how many of the worst entries keep their details (as compare keeps them for
+    the first divergence and the 8 worst)."""
     modules = [f"blocks.{i // 8}.layer{i % 8}" for i in range(n_modules)]
     entries = _entries(steps, lambda m, p, s, sl, rng: rng.lognormvariate(-1, 1),
                        lambda m, p, s, sl, r: DRIFT if r > 4 else OK, modules=modules, seed=3)
+    keep = {id(e) for e in sorted(entries, key=lambda e: -(e.ratio or 0))[:histograms]}
     for e in entries:
-        e.details = {}  # a real report keeps details only for some entries
+        if id(e) not in keep:
+            e.details = {}  # a real report keeps details only for some entries
     return Report(verdict="fail", reference=REF_META, target=TGT_META, first_divergence=None, entries=entries,
                   findings=[], limit=4.0, decided_by="many entries drift beyond default limit 4")
 
