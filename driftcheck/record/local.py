@@ -14,7 +14,10 @@ The replay runs inside the tracer's forward post-hook of the real call and leave
 - the CPU/device RNG is forked, and CPU-drawn dropout masks are replayed from the same index as
   the real call, so a Dropout replays with the mask the real call used;
 - autograd: the replay's graph starts at fresh leaves and ``autograd.grad`` only asks for the
-  inputs' gradients, so no ``.grad`` is written and the training graph is untouched.
+  inputs' gradients, so no ``.grad`` is written and the training graph is untouched;
+- the module's forward hooks (the model's output collectors) are off during it;
+- a replay the model's code refuses (it raises) leaves that module without a local error, as the
+  warning ``local.replay_failed``: never a failed record.
 
 Captured as extra entries of the target trace, slot ``local.<slot>`` next to ``<slot>``:
 ``local.output.*`` (phase forward) and ``local.grad_input.*`` (phase backward).
@@ -32,6 +35,8 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import substitute
 from driftcheck.store.keys import LOCAL_PREFIX, TraceKey
+
+_POST_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 class LocalReplay:
@@ -57,6 +62,7 @@ class LocalReplay:
         self.replay_id = self.reader.run.get("replay_id")
         self._mask_mark: dict[tuple[str, int], tuple[int, int]] = {}
         self._rng_mark: dict[tuple[str, int], Any] = {}
+        self.failed: dict[str, tuple[int, str]] = {}  # module -> (step, error) of a replay that raised
 
     def tensor(self, step: int, phase: str, module: str, call: int, slot: str) -> torch.Tensor | None:
         """The reference's full tensor of that entry, or None where it holds none."""
@@ -118,16 +124,28 @@ class LocalReplay:
                 return leaf.clone()
             r_args = substitute(r_args, "input", as_leaf)
             r_kwargs = substitute(r_kwargs, "input", as_leaf)
-        with self._isolated(module, mark, ref_params, rng), torch.set_grad_enabled(backward):
-            out = module(*r_args, **r_kwargs)
-            outs: list[tuple[str, torch.Tensor]] = []
-            substitute(out, "output", lambda s, t: outs.append((s, t)))
-            for slot, t in outs:
-                results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
-            if backward and leaves:
-                results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
-                                                 outs, leaves)
+        try:
+            with self._isolated(module, mark, ref_params, rng), torch.set_grad_enabled(backward):
+                out = module(*r_args, **r_kwargs)
+                outs: list[tuple[str, torch.Tensor]] = []
+                substitute(out, "output", lambda s, t: outs.append((s, t)))
+                for slot, t in outs:
+                    results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
+                if backward and leaves:
+                    results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
+                                                     outs, leaves)
+        except Exception as e:  # the model's code refused the replay: no local error, never a crash
+            self.failed.setdefault(name, (step, f"{type(e).__name__}: {str(e).strip()[:200]}"))
+            return []
         return results
+
+    def findings(self) -> list[dict[str, Any]]:
+        """``local.replay_failed`` (a warning) for each module whose replay raised: its entries
+        have no local error and are judged by their propagated drift alone."""
+        return [{"kind": "local.replay_failed", "severity": "warning", "module": name, "step": step,
+                 "message": f"the local replay of {name} raised {err}; it has no local error, and its "
+                            "drift is judged as propagated (the record itself is complete)"}
+                for name, (step, err) in sorted(self.failed.items())]
 
     def _ref_params(self, step: int, name: str, module: nn.Module,
                     owner: Callable[[torch.Tensor], tuple[str, str] | None]
@@ -177,6 +195,12 @@ class LocalReplay:
             module._buffers[k] = b.detach().clone()
         own_params = {k: module._parameters[k] for k in params}
         module._parameters.update(params)
+        # The model's own forward hooks do not see the replay: an output collector (transformers
+        # records router logits for an auxiliary loss that way) would take the replay's output
+        # into the training graph. Pre-hooks stay: they may make the forward's inputs or weights.
+        post_hooks = [(attr, getattr(module, attr)) for attr in _POST_HOOKS if getattr(module, attr, None)]
+        for attr, hooks in post_hooks:
+            setattr(module, attr, type(hooks)())
         dev = next((t.device for t in list(module.parameters()) + list(module.buffers())),
                    torch.device("cpu"))
         drop_state = None
@@ -188,6 +212,8 @@ class LocalReplay:
                 set_rng_state(rng)
                 yield
         finally:
+            for attr, hooks in post_hooks:
+                setattr(module, attr, hooks)
             module._buffers.update(originals)
             module._parameters.update(own_params)
             if drop_state is not None:

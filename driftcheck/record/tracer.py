@@ -146,7 +146,8 @@ class Tracer:
         """What the manifest records besides the entries: the run's findings, the alias
         structure of its parameters and buffers (always: an empty list is "nothing shared"), and
         the tied parameters (module, param) -> (owner, owner_param), if any."""
-        extra: dict[str, Any] = {"findings": self.findings + self.sync_findings(), "aliases": self.aliases}
+        replay = self.local.findings() if self.local is not None else []
+        extra: dict[str, Any] = {"findings": self.findings + self.sync_findings() + replay, "aliases": self.aliases}
         if self.tied_params:
             extra["tied_params"] = self.tied_params
         return extra

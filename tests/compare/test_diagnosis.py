@@ -158,3 +158,88 @@ def test_nonfinite_origin_names_the_overflowing_module(tmp_path, dtype, module):
     assert (origin[0].module, origin[0].step, origin[0].phase) == (module, 0, "forward")
     assert origin[0].key == f"0/forward/{module}/0/output"
     assert rep.verdict == "fail"
+
+
+# -- a replay the model cannot see (issue 47, class 2) ------------------------------------------
+class _Collecting(torch.nn.Module):
+    """A router whose logits a forward hook collects for an auxiliary loss (as transformers'
+    output recorders do for MoE router logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+        self.head = torch.nn.Linear(4, 2)
+        self.collected: list[torch.Tensor] = []
+        self.gate.register_forward_hook(lambda m, a, out: self.collected.append(out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.collected.clear()
+        return self.head(torch.relu(self.gate(x)))
+
+
+class _Once(torch.nn.Module):
+    """A leaf that refuses a second call per forward of its parent: the local replay is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8) / 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("called twice in one step")
+        return x @ self.weight
+
+
+class _Refusing(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.once, self.out = _Once(), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.once.calls = 0
+        return self.out(torch.relu(self.once(x)))
+
+
+def _scenario(model: torch.nn.Module, aux: bool):
+    from driftcheck import Scenario
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(6, 8, generator=g) for _ in range(2)]
+
+    def loss(out, x):
+        main = out.pow(2).mean()
+        return main + 0.1 * sum(c.pow(2).mean() for c in model.collected) if aux else main
+
+    return Scenario(model=model, inputs=xs, loss=loss, steps=2,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+
+
+def test_the_replay_is_invisible_to_the_models_hooks(tmp_path):
+    """An output collector on a replayed leaf used to take the replay's output into the loss:
+    every record with a local replay crashed ("backward through the graph a second time")."""
+    torch.manual_seed(0)
+    ref = record(_scenario(_Collecting(), aux=True), tmp_path / "ref")
+    torch.manual_seed(0)
+    tgt = record(_scenario(_Collecting(), aux=True), tmp_path / "tgt", dtype="bf16", replay=ref, local=ref)
+    r = TraceReader(tgt)
+    assert any(e["slot"].startswith("local.") and e["module"] == "gate" for e in r.entries)
+    assert not [f for f in r.manifest.get("findings", []) if f["kind"] == "local.replay_failed"]
+    assert compare(str(ref), str(tgt))
+
+
+def test_a_replay_that_raises_is_a_warning_not_a_failed_record(tmp_path):
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _Refusing()
+
+    ref = record(_scenario(build(), aux=False), tmp_path / "ref")
+    tgt = record(_scenario(build(), aux=False), tmp_path / "tgt", dtype="bf16", replay=ref, local=ref)
+    r = TraceReader(tgt)
+    failed = [f for f in r.manifest["findings"] if f["kind"] == "local.replay_failed"]
+    assert [f["module"] for f in failed] == ["once"] and "called twice in one step" in failed[0]["message"]
+    assert not any(e["slot"].startswith("local.") and e["module"] == "once" for e in r.entries)
+    assert any(e["slot"].startswith("local.") and e["module"] == "out" for e in r.entries)  # the others replay
+    report = compare(str(ref), str(tgt))
+    assert report and any(f.kind == "local.replay_failed" for f in report.findings)
