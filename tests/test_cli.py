@@ -400,3 +400,34 @@ def test_a_side_waits_for_its_turn(monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     with pytest.raises(SystemExit):
         run_mod.wait_for_turn()
+
+
+def test_sides_share_one_string_hash_seed(tmp_path):
+    """A model that calls its modules in the order of a set of strings (issue 47, class 1): each
+    process drew its own hash seed, so the n-th call on one side was another module's on the
+    other. run gives every side the user's PYTHONHASHSEED, or 0, and records it."""
+    f = tmp_path / "setorder.py"
+    f.write_text(
+        "import torch, driftcheck\n"
+        "NAMES = ['alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta']\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.shared = torch.nn.Linear(8, 8)\n"
+        "        self.scale = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.randn(8)) for n in NAMES})\n"
+        "    def forward(self, x):\n"
+        "        for n in set(NAMES):\n"
+        "            x = torch.tanh(self.shared(x) * self.scale[n])\n"
+        "        return x\n"
+        "def build(seed=0):\n"
+        "    torch.manual_seed(seed)\n"
+        "    return driftcheck.Scenario(model=M(), inputs=[torch.randn(4, 8)], steps=1,\n"
+        "                               loss=lambda out, x: out.pow(2).mean(),\n"
+        "                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))\n")
+    env = {k: v for k, v in ENV.items() if k != "PYTHONHASHSEED"}
+    p = subprocess.run([sys.executable, "-m", "driftcheck", "--quiet", "run", f"{f}:build", "--target", "cpu",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for side in ("reference", "target"):
+        run = json.loads((tmp_path / "run" / side / "manifest.json").read_text())["run"]
+        assert run["python_hash_seed"] == "0"

@@ -208,6 +208,9 @@ def side_env(run: dict[str, Any]) -> dict[str, str]:
     ``run.env`` on top; a CPU/CUDA side never autoloads a backend package."""
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (run.get("env") or {}).items()})
+    seed = str(run.get("python_hash_seed", "random"))
+    if seed != "random":  # the rerun iterates a set of strings in the recorded order
+        env["PYTHONHASHSEED"] = seed
     if "TORCH_DEVICE_BACKEND_AUTOLOAD" not in (run.get("env") or {}):
         if str(run.get("device_type", "cpu")) in ("cpu", "cuda"):
             env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"

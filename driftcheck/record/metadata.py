@@ -34,6 +34,8 @@ def run_metadata(*, model: nn.Module, device: torch.device, mode: str, steps: in
         "model_class": type(model).__name__,
         "rank": int(os.environ.get("RANK", 0)),
         "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        # str/bytes hashes (the order of a set of strings): "random" where each process draws one
+        "python_hash_seed": os.environ.get("PYTHONHASHSEED") or "random",
     }
     try:
         from driftcheck.targets import precision

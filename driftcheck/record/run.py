@@ -209,6 +209,7 @@ def record_side(args: list[str], label: str, debug: bool, say: Callable[[str], N
         side.stop()
 
 
+HASH_SEED_VAR = "PYTHONHASHSEED"
 GATE_VAR = "DRIFTCHECK_WAIT_FOR_TURN"  # "1": record reads "go" from stdin before it replays
 GO = "go"
 
@@ -246,7 +247,11 @@ class SideProcess:
         cmd = [sys.executable, "-m", "driftcheck", "--quiet"] + (["--debug"] if debug else []) + ["record"] + args
         if say is not None:
             say(f"recording {label}: driftcheck record {' '.join(args)}")
+        # One string hash seed for every side (the user's, or 0): a model that iterates a set of
+        # strings calls its modules in the same order on both sides (recorded in the manifest).
         extra = {PROGRESS_VAR: "lines", **({GATE_VAR: "1"} if gated else {})}
+        if HASH_SEED_VAR not in os.environ and HASH_SEED_VAR not in (env or {}):
+            extra[HASH_SEED_VAR] = "0"
         self.proc = subprocess.Popen(cmd, env=dict(os.environ, **(env or {}), **extra),
                                      stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
