@@ -46,7 +46,8 @@ def _filesystem(url: str) -> tuple[Any, str]:
         raise DriftcheckError(f"{url}: traces at a URL need the cloud extra: "
                               "pip install 'driftcheck[cloud]' (fsspec, s3fs, gcsfs)") from None
     try:
-        fs, root = fsspec.core.url_to_fs(url)
+        # a new instance each time: the credentials in the environment now, not a cached session's
+        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     except ImportError as e:
         raise DriftcheckError(f"{url}: {str(e).strip()}; pip install 'driftcheck[cloud]'") from None
     except ValueError as e:
