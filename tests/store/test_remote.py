@@ -191,6 +191,9 @@ def test_missing_extra_and_run_refused_in_one_line(tmp_path, capsys, monkeypatch
     assert_one_line_error(code, err, "driftcheck[cloud]")
     code, _, err = run_cli(["run", "mlp", "--target", "cpu", "--out", "s3://b/run"], capsys)
     assert_one_line_error(code, err, "driftcheck record --out URL")
+    for flag in ("--long", "--parallel=ddp"):
+        code, _, err = run_cli(["record", "mlp", "--out", "s3://b/ref", flag], capsys)
+        assert_one_line_error(code, err, "--long and --parallel record to a local directory")
 
 
 def test_local_paths_never_import_fsspec(tmp_path):
