@@ -194,6 +194,14 @@ def test_missing_extra_and_run_refused_in_one_line(tmp_path, capsys, monkeypatch
     for flag in ("--long", "--parallel=ddp"):
         code, _, err = run_cli(["record", "mlp", "--out", "s3://b/ref", flag], capsys)
         assert_one_line_error(code, err, "--long and --parallel record to a local directory")
+    from driftcheck.errors import DriftcheckError
+    from driftcheck.integrations.session import TraceSession
+    from driftcheck.store.layout import rank_dir
+
+    with pytest.raises(DriftcheckError, match="training-loop integrations record to and replay from local"):
+        TraceSession("s3://b/ref")
+    with pytest.raises(DriftcheckError, match="multi-rank run"):
+        rank_dir("s3://b/ref", 0)
 
 
 def test_local_paths_never_import_fsspec(tmp_path):
