@@ -97,7 +97,7 @@ class Remote:
         if protocol not in _LOCAL_PROTOCOLS and bucket:
             def probe() -> None:
                 try:
-                    self.fs.ls(bucket, detail=False)
+                    self.fs.info(bucket)  # one HEAD request, whatever the bucket holds
                 except FileNotFoundError as e:
                     raise FileNotFoundError(f"bucket {bucket!r}: {_first_line(e)}") from None
             self.guard("checking the bucket", probe)
