@@ -106,8 +106,8 @@ class TraceWriter:
         self.remote: Remote | None = None
         if is_url(out):
             self.remote = prepare_url(str(out), force)
-            self.dir, self.where = staging_dir(), self.remote.url
             self.remote.put_bytes(b"record in progress or interrupted\n", fmt.INCOMPLETE)
+            self.dir, self.where = staging_dir(), self.remote.url
         else:
             self.dir = prepare_out_dir(out, force)
             self.where = str(self.dir)
