@@ -191,6 +191,8 @@ def test_missing_extra_and_run_refused_in_one_line(tmp_path, capsys, monkeypatch
     assert_one_line_error(code, err, "driftcheck[cloud]")
     code, _, err = run_cli(["run", "mlp", "--target", "cpu", "--out", "s3://b/run"], capsys)
     assert_one_line_error(code, err, "driftcheck record --out URL")
+    code, _, err = run_cli(["drill", "s3://b/ref", "s3://b/tgt"], capsys)
+    assert_one_line_error(code, err, "the drill-down reruns each side from a local trace directory")
     for flag in ("--long", "--parallel=ddp"):
         code, _, err = run_cli(["record", "mlp", "--out", "s3://b/ref", flag], capsys)
         assert_one_line_error(code, err, "--long and --parallel record to a local directory")
