@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.store.remote import is_url, write_url
 from driftcheck.version import __version__
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
@@ -216,6 +217,9 @@ def write_outputs(report: Any, json_path: str | None, html_path: str | None,
         if path == "-":
             sys.stdout.write(text if text.endswith("\n") else text + "\n")
             sys.stdout.flush()
+            return
+        if is_url(path):
+            write_url(path, text.encode())
             return
         try:
             Path(path).write_text(text, encoding="utf-8")

@@ -39,6 +39,7 @@ from driftcheck.cli.app import (
 from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd
 from driftcheck.errors import DriftcheckError
 from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR, progress_words, wait_for_turn
+from driftcheck.store.remote import is_url, read_url
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -115,6 +116,11 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
 
     if long_ and compile_backend:
         raise DriftcheckError("--long records eager steps; --compile is for a record of a few steps")
+    urls = [f"{flag} {v}" for flag, v in (("--out", out), ("--replay", replay), ("--local", local))
+            if is_url(v)]
+    if urls and (long_ or parallel):
+        raise DriftcheckError(f"{urls[0]}: a URL holds a plain trace; --long and --parallel record "
+                              "to a local directory (copy it to the bucket afterwards)")
     if perturb and not long_:
         raise DriftcheckError("--perturb makes a control of a long run: add --long")
     if long_:
@@ -131,7 +137,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
     if steps is not None and steps < 1:
         raise DriftcheckError(f"--steps must be at least 1, got {steps}")
     # With --parallel each rank checks its own OUT/rank-N (the ranks create them concurrently).
-    if not parallel and Path(out).exists() and not force \
+    if not parallel and not is_url(out) and Path(out).exists() and not force \
             and (not Path(out).is_dir() or any(Path(out).iterdir())):
         raise DriftcheckError(f"--out {out} already exists; pass --force to overwrite it or choose "
                               "another directory")
@@ -169,7 +175,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
         what = f"recording {model} on {device} {dtype}" + (" + local replay" if local else "")
         task = p.add_task(what, total=steps or scenario.steps, written="")
         t0 = time.monotonic()
-        out = str(do_record(scenario, RecordConfig(
+        recorded = str(do_record(scenario, RecordConfig(
             out, device=torch_device, dtype=dtype, steps=steps, seed=seed, replay=replay,
             mode=mode, force=force, model_id=model, include=include, exclude=exclude,
             full_modules=full_modules, phases=_set(parse_phases(phases)),
@@ -178,7 +184,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
             on_written=on_written,
             emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_,
             mkldnn=None if mkldnn is None else mkldnn == "on")))
-    _say_recorded(obj, out, simulate)
+    _say_recorded(obj, out if is_url(out) else recorded, simulate)
 
 
 def _matmul_settings(emulate: str | None, matmul_precision: str | None, device: str, dev_type: str,
@@ -282,7 +288,7 @@ def report(obj: Ctx, report_json: str, json_path: str | None, html_path: str | N
     from driftcheck.gate.report import Report
 
     try:
-        raw = Path(report_json).read_bytes()
+        raw = read_url(report_json) if is_url(report_json) else Path(report_json).read_bytes()
     except OSError as e:
         raise DriftcheckError(f"cannot read {report_json}: {e.strerror}") from None
     try:

@@ -12,6 +12,7 @@ import click
 
 from driftcheck.cli.app import Ctx, cli, everywhere, finish, make_progress, outputs_options
 from driftcheck.errors import DriftcheckError
+from driftcheck.store.remote import is_url
 
 
 def default_out(target: str | os.PathLike) -> Path:
@@ -74,6 +75,9 @@ def drill_cmd(obj: Ctx, ref: str, target: str, module: str | None, step: int | N
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")
+    if is_url(ref) or is_url(target) or is_url(out):
+        raise DriftcheckError(f"{next(v for v in (ref, target, out) if is_url(v))}: the drill-down reruns "
+                              "each side from a local trace directory; copy the traces from the bucket first")
     if step is not None and module is None:
         raise DriftcheckError("--step needs --module (without it the first divergence names both)")
     from driftcheck.compare import compare

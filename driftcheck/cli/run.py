@@ -26,6 +26,7 @@ from driftcheck.cli.app import (
 )
 from driftcheck.cli.long import long_options, run_long
 from driftcheck.errors import DriftcheckError
+from driftcheck.store.remote import is_url
 
 
 # -- run ----------------------------------------------------------------------------------------
@@ -90,6 +91,10 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
     """
     from driftcheck.record.run import Sides, record_sides
 
+    if is_url(out):
+        raise DriftcheckError(f"--out {out}: driftcheck run writes a local run directory (its sides run "
+                              "in their own processes, the drill-down beside them); record each side "
+                              "with driftcheck record --out URL and compare the URLs")
     ref_env, tgt_env = parse_env(reference_env, "--reference-env"), parse_env(target_env, "--target-env")
     if long_ and (compile_backend or reference_compile):  # before --long's own run starts
         raise DriftcheckError("--long runs eager steps; --compile is for a run of a few steps")

@@ -128,7 +128,7 @@ class Comparison:
     def _why_nothing_judged(self) -> str:
         # (a policy's steps outside the traces were refused by check_traces already)
         if not self.ref_entries:
-            return (f"nothing to judge: the reference {self.ref.dir} holds no entry; re-record it "
+            return (f"nothing to judge: the reference {self.ref.where} holds no entry; re-record it "
                     "with wider --phases/--include")
         return ("nothing to judge: no entry of the reference exists in the target; record the "
                 "target with --replay REF and the same MODEL and options")

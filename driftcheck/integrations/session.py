@@ -38,6 +38,7 @@ from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.store import format as fmt
 from driftcheck.store.layout import rank_dir
+from driftcheck.store.remote import is_url
 from driftcheck.store.replay import (
     decode_batch,
     encode_batch,
@@ -74,6 +75,10 @@ class TraceSession:
                  force: bool = False, autocast: str | None = None, driver: str = "",
                  model_id: str | None = None, grad_clip: dict[str, float] | None = None,
                  **tracer: Any) -> None:
+        if is_url(out) or is_url(replay):
+            raise DriftcheckError(f"{out if is_url(out) else replay}: the training-loop integrations "
+                                  "record to and replay from local directories; copy the trace to "
+                                  "or from the bucket (driftcheck record and compare take URLs)")
         self.out = Path(out)
         self.grad_clip = grad_clip  # {"norm": max_norm} or {"value": v}: the loop clips gradients
         self.replay = None if replay is None else Path(replay)

@@ -6,6 +6,7 @@
     reader.py   TraceReader: validated, memory-mapped, tensors whole or in bounded chunks
     replay.py   the replay file: initial state, inputs, randomness; the batch codec
     layout.py   directories of traces: multi-rank runs, ``driftcheck run`` directories
+    remote.py   traces at a URL (s3://, gs://, fsspec): staging, uploads, the read cache
 
 Lazy exports: ``driftcheck.store.format`` stays importable without torch.
 """

@@ -6,7 +6,9 @@ import os
 import re
 from pathlib import Path
 
+from driftcheck.errors import DriftcheckError
 from driftcheck.store import format as fmt
+from driftcheck.store.remote import is_url
 
 RANK_DIR = re.compile(r"^rank-(\d+)$")
 
@@ -23,7 +25,11 @@ RUN_CONTENTS = frozenset({REFERENCE, TARGET, TRUTH, REPORT_JSON, REPORT_HTML, CO
 
 
 def rank_dir(out: str | os.PathLike, rank: int) -> Path:
-    """The trace directory of ``rank`` inside a multi-rank run directory."""
+    """The trace directory of ``rank`` inside a multi-rank run directory (a local one: the
+    ranks' traces are never written to or read from a URL)."""
+    if is_url(out):
+        raise DriftcheckError(f"{out}: a multi-rank run (one trace per rank) is a local directory; "
+                              "record it locally and copy it to the bucket")
     return Path(out) / f"rank-{rank}"
 
 

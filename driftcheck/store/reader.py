@@ -18,6 +18,7 @@ import torch
 from driftcheck.errors import TraceError
 from driftcheck.numerics import dtypes
 from driftcheck.store import format as fmt
+from driftcheck.store.remote import ShardCache, is_url
 from driftcheck.store.replay import read_replay
 from driftcheck.store.shard import MappedShard
 
@@ -26,7 +27,12 @@ class TraceReader:
     """A complete trace, opened read-only. Tensors are read lazily, one at a time."""
 
     def __init__(self, path: str | os.PathLike) -> None:
+        self.cache: ShardCache | None = None  # a trace at a URL: read through a local cache
+        if is_url(path):
+            self._open_url(str(path))
+            return
         self.dir = Path(path)
+        self.where = str(self.dir)
         if not self.dir.exists():
             raise TraceError(f"trace {self.dir} does not exist")
         if not self.dir.is_dir():
@@ -40,26 +46,39 @@ class TraceReader:
                              "re-run the record")
         if mpath.is_symlink():
             raise TraceError(f"{mpath} is a symbolic link; a trace's manifest must be a plain file")
+        self._load_manifest(mpath, str(mpath))
+        for shard in self.manifest["shards"]:
+            self._shard_path(shard)  # refuse links/escapes up front
+        self._check_shards()
+
+    def _open_url(self, url: str) -> None:
+        """A trace at a URL (store/remote.py): the manifest now, each shard when first read, its
+        headers checked then (on disk: all of them now)."""
+        self.cache = ShardCache(url)
+        self.dir = self.cache.dir
+        self.where = self.cache.remote.url
+        self._load_manifest(self.cache.manifest(), self.cache.remote.where(fmt.MANIFEST))
+        for shard in self.manifest["shards"]:
+            fmt.check_shard_name(shard)
+
+    def _load_manifest(self, mpath: Path, shown: str) -> None:
         if mpath.stat().st_size > 1 << 30:
-            raise TraceError(f"{mpath} is larger than 1 GiB; not a driftcheck manifest")
+            raise TraceError(f"{shown} is larger than 1 GiB; not a driftcheck manifest")
         try:
             raw = json.loads(mpath.read_bytes())
         except (ValueError, RecursionError) as e:  # bad UTF-8/JSON, absurd numbers, nesting bombs
             why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
-            raise TraceError(f"{mpath} does not parse as JSON ({why}); the trace is corrupt") from None
+            raise TraceError(f"{shown} does not parse as JSON ({why}); the trace is corrupt") from None
         try:
             self.manifest = fmt.validate_manifest(raw)
         except fmt.FormatError as e:
-            raise TraceError(f"{mpath}: {e}") from None
+            raise TraceError(f"{shown}: {e}") from None
         self.run: dict[str, Any] = self.manifest["run"]
         self.entries: list[dict[str, Any]] = self.manifest["entries"]
         self._maps: dict[str, MappedShard] = {}
         self._verified: set[str] = set()  # shards whose entries' checksums held
         self._checksummed: dict[str, list[tuple[dict[str, Any], str]]] | None = None
         self._map_lock = threading.Lock()
-        for shard in self.manifest["shards"]:
-            self._shard_path(shard)  # refuse links/escapes up front
-        self._check_shards()
 
     def _check_shards(self) -> None:
         """Hold the manifest to the shards' own headers before any tensor is read: every
@@ -69,16 +88,23 @@ class TraceReader:
         for e in self.entries:
             for which in ("tensor", "sample"):
                 ref = e.get(which)
-                if ref is None:
-                    continue
-                info = self._mapped(ref["shard"]).tensors.get(ref["name"])
-                if info is None:
-                    raise TraceError(f"shard {self.dir / ref['shard']} has no tensor {ref['name']!r} "
-                                     f"(entry {e['key']}); the trace is corrupt")
-                dtype, shape = str(info[0]).replace("torch.", ""), info[1]
-                if which == "tensor" and (shape != list(e["shape"]) or dtype != e["dtype"]):
-                    raise TraceError(f"entry {e['key']}: the manifest says {e['dtype']} {e['shape']}, "
-                                     f"shard {ref['shard']} holds {dtype} {shape}; the trace is corrupt")
+                if ref is not None:
+                    self._check_header(e, which, self._mapped(ref["shard"]))
+
+    def _check_header(self, e: dict[str, Any], which: str, m: MappedShard) -> None:
+        ref = e[which]
+        info = m.tensors.get(ref["name"])
+        if info is None:
+            raise TraceError(f"shard {self._shown(ref['shard'])} has no tensor {ref['name']!r} "
+                             f"(entry {e['key']}); the trace is corrupt")
+        dtype, shape = str(info[0]).replace("torch.", ""), info[1]
+        if which == "tensor" and (shape != list(e["shape"]) or dtype != e["dtype"]):
+            raise TraceError(f"entry {e['key']}: the manifest says {e['dtype']} {e['shape']}, "
+                             f"shard {ref['shard']} holds {dtype} {shape}; the trace is corrupt")
+
+    def _shown(self, shard: str) -> str:
+        """A shard as messages name it: its path, or its URL."""
+        return str(self.dir / shard) if self.cache is None else self.cache.remote.where(shard)
 
     def _shard_path(self, shard: str, *, check_size: bool = False) -> Path:
         fmt.check_shard_name(shard)
@@ -145,12 +171,35 @@ class TraceReader:
         first time its data is read), so a byte changed in place is a corrupt trace, not drift."""
         with self._map_lock:
             m = self._maps.get(shard)
+            if m is None and self.cache is not None:
+                m = self._fetched(shard)
             if m is None:
                 m = self._maps[shard] = MappedShard(self._shard_path(shard, check_size=True))
             if verify and shard not in self._verified:
                 self._verify(shard, m)
                 self._verified.add(shard)
             return m
+
+    def _fetched(self, shard: str) -> MappedShard:
+        """A shard of a trace at a URL, downloaded, its size and headers held to the manifest;
+        the shards the cache dropped to make room are forgotten (fetched and verified again if
+        read again). Called under the map lock."""
+        assert self.cache is not None
+        path, dropped = self.cache.fetch(shard, self.manifest["shards"][shard])
+        for old in dropped:
+            self._maps.pop(old, None)
+            self._verified.discard(old)
+        expected = self.manifest["shards"][shard]
+        if path.stat().st_size != expected:
+            raise TraceError(f"shard {self._shown(shard)} has {path.stat().st_size} bytes, the manifest "
+                             f"says {expected}: the object is truncated or was replaced")
+        m = self._maps[shard] = MappedShard(path)
+        for e in self.entries:
+            for which in ("tensor", "sample"):
+                ref = e.get(which)
+                if ref is not None and ref["shard"] == shard:
+                    self._check_header(e, which, m)
+        return m
 
     def _verify(self, shard: str, m: MappedShard) -> None:
         if self._checksummed is None:  # shard -> (entry, which) with a checksum, made once
@@ -166,12 +215,14 @@ class TraceReader:
             got = m.checksum(begin, end)
             if got != ref["crc32c"]:
                 raise TraceError(
-                    f"shard {self.dir / shard}: the bytes of entry {e['key']} ({which}) fail "
+                    f"shard {self._shown(shard)}: the bytes of entry {e['key']} ({which}) fail "
                     f"their checksum (crc32c {got:08x}, the manifest says {ref['crc32c']:08x}): "
                     "the file changed after it was written; the trace is corrupt, re-record it")
 
     def read_replay(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return read_replay(self.dir)
+        return read_replay(self.where if self.cache is not None else self.dir)
 
     def close(self) -> None:
         self._maps.clear()
+        if self.cache is not None:
+            self.cache.close()

@@ -17,6 +17,7 @@ import torch
 from driftcheck import nested
 from driftcheck.errors import DriftcheckError, TraceError
 from driftcheck.store import format as fmt
+from driftcheck.store.remote import ShardCache, is_url
 from driftcheck.store.shard import MappedShard, shares_storage, unshare, write_error, write_safetensors
 
 # The replay file's key grammar, in one place: the model's state as ``param/<name>`` and
@@ -73,7 +74,9 @@ def write_replay(trace_dir: Path, tensors: dict[str, torch.Tensor], meta: dict[s
 
 
 def read_replay(trace_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, metadata) of a trace's replay file."""
+    """(tensors, metadata) of a trace's replay file (a trace at a URL: downloaded first)."""
+    if is_url(trace_dir):
+        return _read_replay_url(str(trace_dir))
     p = Path(trace_dir) / fmt.REPLAY
     if not Path(trace_dir).is_dir():
         raise TraceError(f"--replay {trace_dir} is not a trace directory; pass the reference trace "
@@ -85,19 +88,41 @@ def read_replay(trace_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         # The replay file is written first: without a manifest the reference record never finished.
         raise TraceError(f"--replay {trace_dir} is an incomplete trace (no {fmt.MANIFEST}); "
                          "re-record the reference first")
+    return _read_replay_file(p, p)
+
+
+def _read_replay_url(url: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    cache = ShardCache(url)
+    try:
+        remote = cache.remote
+        if not (remote.exists(fmt.MANIFEST) or remote.exists(fmt.LONG_MANIFEST)):
+            # The replay file is uploaded first: without a manifest the reference never finished.
+            raise TraceError(f"--replay {remote.url} is an incomplete trace or none (no {fmt.MANIFEST}); "
+                             "re-record the reference first")
+        p = cache.file(fmt.REPLAY)
+        if p is None:
+            raise TraceError(f"{remote.where(fmt.REPLAY)} is missing: --replay needs a trace recorded "
+                             "by driftcheck record")
+        return _read_replay_file(p, remote.where(fmt.REPLAY))
+    finally:
+        cache.close()
+
+
+def _read_replay_file(p: Path, shown: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The replay file at ``p`` (``shown``: as messages name it)."""
     try:
         f = MappedShard(p, what="replay file")
     except TraceError as e:
         why = str(e).replace(f"replay file {p}: ", "").replace(f"replay file {p} ", "").removeprefix("is ")
-        raise TraceError(f"{p} is not a readable replay file ({why.removesuffix('; the trace is corrupt')}); "
+        raise TraceError(f"{shown} is not a readable replay file ({why.removesuffix('; the trace is corrupt')}); "
                          "re-record the reference") from None
     try:
         meta = json.loads(f.metadata.get("driftcheck", "null"))
         tensors = {k: f.read(*f.tensors[k]) for k in sorted(f.tensors)}
     except (ValueError, RuntimeError) as e:
-        raise TraceError(f"{p} is not a readable replay file ({e})") from None
+        raise TraceError(f"{shown} is not a readable replay file ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != REPLAY_FORMAT:
-        raise TraceError(f"{p} has no driftcheck replay metadata; re-record the reference")
+        raise TraceError(f"{shown} has no driftcheck replay metadata; re-record the reference")
     return tensors, meta
 
 

@@ -22,6 +22,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.store import format as fmt
 from driftcheck.store.buffers import HostBuffers
 from driftcheck.store.direct import DirectStage
+from driftcheck.store.remote import Remote, is_url, prepare_url, staging_dir
 from driftcheck.store.replay import write_replay
 from driftcheck.store.shard import code_of, strict_json, write_error, write_safetensors
 
@@ -101,7 +102,15 @@ class TraceWriter:
     def __init__(self, out: str | os.PathLike, *, force: bool = False,
                  shard_bytes: int = 64 << 20, queue_bytes: int = 512 << 20,
                  background: bool = True, fsync: bool = True, direct: bool = True) -> None:
-        self.dir = prepare_out_dir(out, force)
+        # A URL (store/remote.py): shards staged in a local directory, each uploaded once written
+        self.remote: Remote | None = None
+        if is_url(out):
+            self.remote = prepare_url(str(out), force)
+            self.remote.put_bytes(b"record in progress or interrupted\n", fmt.INCOMPLETE)
+            self.dir, self.where = staging_dir(), self.remote.url
+        else:
+            self.dir = prepare_out_dir(out, force)
+            self.where = str(self.dir)
         (self.dir / fmt.INCOMPLETE).write_text("record in progress or interrupted\n")
         self.shard_bytes = shard_bytes
         self.queue_bytes = max(queue_bytes, 1)
@@ -223,6 +232,9 @@ class TraceWriter:
                     refs[tensor_name]["crc32c"] = value
                 os.replace(tmp, path)
                 size = path.stat().st_size
+                if self.remote is not None:  # uploaded as soon as it is complete, then dropped here
+                    self.remote.put(path, name)
+                    path.unlink()
                 with self._cond:
                     self.shards[name] = size
         except BaseException as e:  # surfaced on the caller's thread
@@ -254,9 +266,11 @@ class TraceWriter:
         e = self._error
         if e is None:
             return
+        if self.remote is not None and isinstance(e, DriftcheckError):  # an upload: says the URL
+            raise DriftcheckError(str(e)) from e
         if isinstance(e, OSError):
             raise write_error(self.dir, e) from e
-        raise DriftcheckError(f"writing trace {self.dir} failed: {type(e).__name__}: {e}") from e
+        raise DriftcheckError(f"writing trace {self.where} failed: {type(e).__name__}: {e}") from e
 
     def _sync_shards(self) -> None:
         """Every shard durable before the manifest that points to it is written."""
@@ -294,6 +308,8 @@ class TraceWriter:
     def write_replay(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Write the trace's replay file (driftcheck/store/replay.py)."""
         write_replay(self.dir, tensors, meta, fsync=self.fsync)
+        if self.remote is not None:
+            self.remote.put(self.dir / fmt.REPLAY, fmt.REPLAY)  # kept here: close() sees it
 
     # -- finish --------------------------------------------------------------------------
     def close(self, run: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
@@ -301,7 +317,7 @@ class TraceWriter:
         self.drain()
         self._stop_thread()
         self._release_memory()
-        if self.fsync:
+        if self.fsync and self.remote is None:
             self._sync_shards()
         manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "run": run,
                     "shards": dict(sorted(self.shards.items())), "entries": self.entries}
@@ -316,7 +332,12 @@ class TraceWriter:
             _fsync_write(self.dir / fmt.MANIFEST, text)
         except OSError as e:
             raise write_error(self.dir, e) from e
-        (self.dir / fmt.INCOMPLETE).unlink(missing_ok=True)
+        if self.remote is not None:  # every shard is up: the manifest last
+            self.remote.put(self.dir / fmt.MANIFEST, fmt.MANIFEST)
+            self.remote.remove(fmt.INCOMPLETE)
+            shutil.rmtree(self.dir, ignore_errors=True)
+        else:
+            (self.dir / fmt.INCOMPLETE).unlink(missing_ok=True)
         self.closed = True
         return self.dir / fmt.MANIFEST
 
@@ -337,7 +358,20 @@ class TraceWriter:
             (self.dir / fmt.INCOMPLETE).write_text(f"record did not finish: {reason}\n")
         except OSError:
             pass
+        if self.remote is not None:
+            self._abort_remote(reason)
         self.closed = True
+
+    def _abort_remote(self, reason: str) -> None:
+        """The URL says why; the staging directory goes (best effort: the URL has no manifest
+        whatever fails here, so it reads as incomplete)."""
+        assert self.remote is not None
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.remote.remove(fmt.MANIFEST)
+            self.remote.put_bytes(f"record did not finish: {reason}\n".encode(), fmt.INCOMPLETE)
+        except DriftcheckError:
+            pass
 
     def __enter__(self) -> TraceWriter:
         return self
