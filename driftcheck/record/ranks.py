@@ -7,7 +7,8 @@ run started by ``torchrun`` (record(..., parallel=...) records one trace per ran
     driftcheck compare ref tgt          # rank by rank, one verdict
 
 Layout: ``OUT/rank-<r>`` is a complete, ordinary trace of rank ``r`` (its own manifest, shards and
-replay file), with ``rank``, ``world_size``, ``parallel`` and ``backend`` in its run metadata. A
+replay file), with ``rank``, ``world_size``, ``parallel`` and ``backend`` in its run metadata. The
+process group's backend is the device's own (``choose_backend``) or ``--dist-backend NAME``. A
 target replays the reference rank by rank, so both runs need the same world size.
 
 What each rank sees: the scenario's batch of every step is split along dim 0 into ``world_size``
@@ -34,18 +35,58 @@ PARALLEL = ("ddp", "fsdp")
 
 
 # -- recording ------------------------------------------------------------------------------------
-def init_from_env(device: torch.device) -> tuple[int, int, str]:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); (rank, world, backend)."""
+# The process-group backend of each device type under torchrun (--dist-backend NAME chooses any
+# other registered one). tpu_dist is registered by torch_tpu (import torch_tpu before the group).
+DEFAULT_BACKENDS = {"cuda": "nccl", "tpu": "tpu_dist", "cpu": "gloo", "lazy": "gloo"}
+
+
+def choose_backend(device_type: str, name: str | None = None) -> str:
+    """The process-group backend a record on ``device_type`` joins: ``name`` (any backend
+    registered with torch.distributed), else the device type's own (DEFAULT_BACKENDS, then
+    torch's default for the type).
+
+    Raises:
+        DriftcheckError: one line: a backend not registered or not available in this torch
+            (tpu_dist without torch_tpu, nccl in a CPU build), or a device type without a default.
+    """
+    import torch.distributed as dist
+
+    chosen = (name or DEFAULT_BACKENDS.get(device_type)
+              or dist.Backend.default_device_backend_map.get(device_type))
+    if not chosen:
+        raise DriftcheckError(f"no default process-group backend for device {device_type!r}: pass "
+                              f"--dist-backend NAME (available here: {', '.join(available_backends())})")
+    if not dist.is_backend_available(chosen):
+        why = (f"--dist-backend {chosen}" if name
+               else f"the process-group backend of device {device_type!r}, {chosen},")
+        hint = ("torch_tpu registers it: install torch_tpu and record with --device tpu"
+                if chosen == "tpu_dist" else "pass --dist-backend NAME")
+        raise DriftcheckError(f"{why} is not available in this torch (registered and available: "
+                              f"{', '.join(available_backends())}); {hint}")
+    return chosen
+
+
+def available_backends() -> list[str]:
+    """The process-group backends torch.distributed has registered and can start here."""
+    import torch.distributed as dist
+
+    return [b for b in dist.Backend.backend_list
+            if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+
+
+def init_from_env(device: torch.device, backend: str | None = None) -> tuple[int, int, str]:
+    """Join the process group torchrun describes with ``choose_backend``'s backend for
+    ``device``; (rank, world, backend)."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise DriftcheckError("--parallel needs torch.distributed, which this torch build lacks")
     if not dist.is_initialized():
+        chosen = choose_backend(device.type, backend)
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise DriftcheckError("--parallel runs under torchrun: torchrun --nproc_per_node N -m "
                                   "driftcheck record MODEL --out DIR --parallel ddp")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(chosen, timeout=datetime.timedelta(minutes=10))
     return dist.get_rank(), dist.get_world_size(), dist.get_backend()
 
 

@@ -98,6 +98,9 @@ def _refuse_combinations(config: RecordConfig) -> None:
         raise DriftcheckError("--compile records a plain compiled run: drop --parallel, --local, "
                               "--fp8, --simulate, --emulate and --view-audit (they run the model "
                               "eagerly or under a dispatch mode Dynamo does not trace)")
+    if c.dist_backend and not c.parallel:
+        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp; "
+                              "add --parallel or drop --dist-backend")
     if c.parallel and (c.fp8 or c.local is not None or c.simulate or c.view_audit or c.emulate):
         raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
                               "--simulate, --emulate and --view-audit, or record a single process")
@@ -106,7 +109,7 @@ def _refuse_combinations(config: RecordConfig) -> None:
 def _join_ranks(config: RecordConfig, device: torch.device
                 ) -> tuple[RecordConfig, torch.device, Ranks]:
     """Under torchrun: this rank's device, its trace directory and the reference's."""
-    rank, world, backend = ranks.init_from_env(device)
+    rank, world, backend = ranks.init_from_env(device, config.dist_backend)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     replay = config.replay
