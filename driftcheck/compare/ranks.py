@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from driftcheck.errors import DriftcheckError
@@ -18,11 +19,17 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
 
     Entries and findings carry their rank (``details["rank"]``, keys prefixed ``rank<r>:``); the
     verdict fails when any rank fails; the first divergence is the earliest over all ranks
-    (step, phase, execution order); ``decided_by`` gives each rank's verdict.
+    (step, phase, execution order); ``decided_by`` gives each rank's verdict. A single trace
+    against a multi-rank run directory is compared as one logical trace (compare/layouts.py).
     """
     from driftcheck.compare import compare
 
     refs, tgts = rank_dirs(ref), rank_dirs(target)
+    if bool(refs) != bool(tgts) and (refs or Path(ref).is_dir()) and (tgts or Path(target).is_dir()):
+        # a single trace against a multi-rank run: judged as one logical tensor per entry
+        from driftcheck.compare.layouts import compare_layouts
+
+        return compare_layouts(ref, target, **kwargs)
     if not refs or not tgts:
         which = ref if not refs else target
         raise DriftcheckError(f"{which} is not a multi-rank run directory (rank-0, rank-1, ... "

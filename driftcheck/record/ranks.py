@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.nested import substitute
+from driftcheck.nested import flatten, substitute
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -101,6 +101,17 @@ def shard_batch(batch: Any, rank: int, world: int) -> Any:
         return t.chunk(world, dim=0)[rank].clone()
 
     return substitute(batch, "", part)
+
+
+def join_batches(parts: list[Any]) -> Any:
+    """The global batch of the ranks' ``parts`` (rank order): every tensor joined along dim 0,
+    anything else as rank 0 has it (the inverse of ``shard_batch``)."""
+    others = [dict(flatten(p, "")) for p in parts[1:]]
+
+    def join(path: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, *(o[path] for o in others)], dim=0)
+
+    return substitute(parts[0], "", join)
 
 
 def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:

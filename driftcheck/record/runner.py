@@ -31,7 +31,7 @@ from driftcheck.record.points import load_point_optimizer
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer, view_audit
 from driftcheck.scenario import Scenario
-from driftcheck.store.layout import rank_dir
+from driftcheck.store.layout import is_multirank, rank_dir
 from driftcheck.store.writer import TraceWriter
 from driftcheck.targets import precision
 
@@ -75,7 +75,7 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
     _check_model(model, scenario, config.model_id)
     torch.manual_seed(config.seed)
     if config.replay is not None:
-        inputs = replayed_inputs(model, config, n_steps, ranks_.world)
+        inputs = replayed_inputs(model, config, n_steps, ranks_.world, ranks_.rank)
     else:
         inputs = new_inputs(model, scenario, config, n_steps, ranks_.rank, ranks_.world)
     first_step = config.start or 0
@@ -113,7 +113,7 @@ def _join_ranks(config: RecordConfig, device: torch.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     replay = config.replay
-    if replay is not None:
+    if replay is not None and is_multirank(replay):  # else a single trace: this rank's part
         src = rank_dir(replay, rank)
         if not src.is_dir():
             raise DriftcheckError(f"--replay {replay} has no {src.name}: the reference ran with "

@@ -1,0 +1,132 @@
+"""Compare across layouts (issue 46): a single-process trace against a 2-rank torchrun run (gloo,
+CPU), DDP and FSDP2, judged as one logical trace (driftcheck/compare/layouts.py)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from driftcheck.compare.layouts import logical_tensor
+from driftcheck.compare.ranks import compare_ranks
+from driftcheck.errors import DriftcheckError
+from driftcheck.store import TraceReader
+from driftcheck.store.layout import rank_dirs
+
+SCENARIO = textwrap.dedent('''
+    import os
+    import torch
+    from torch import nn
+    from driftcheck import Scenario
+
+    class Scale(nn.Module):
+        """x * 1, or x * 1.05 with DC_FAULT: a 5% defect in module 2 (same graph)."""
+        def forward(self, x):
+            return x * (1.05 if os.environ.get("DC_FAULT") else 1.0)
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Scale(), nn.Linear(16, 16),
+                              nn.LayerNorm(16), nn.Linear(16, 4))
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(4, 8, generator=g) for _ in range(2)]
+        return Scenario(model=model, inputs=xs, loss=lambda out, x: out.pow(2).mean(),
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), steps=2)
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _record(tmp: Path, *args: str, ranks: int = 0, fault: bool = False) -> None:
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    env.pop("DC_FAULT", None)
+    if fault:
+        env["DC_FAULT"] = "1"
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port())] if ranks else [sys.executable]
+    cmd = [*run, "-m", "driftcheck", "--quiet", "record", str(tmp / "sc.py:build"), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    (tmp / "sc.py").write_text(SCENARIO)
+    _record(tmp, "--out", str(tmp / "ref"))  # single process, fp32
+    for name, extra, fault in (("ddp", ("--parallel", "ddp"), False),
+                               ("fsdp-bf16", ("--parallel", "fsdp", "--dtype", "bf16"), False),
+                               ("fsdp-fault", ("--parallel", "fsdp", "--dtype", "bf16"), True)):
+        _record(tmp, "--out", str(tmp / name), "--replay", str(tmp / "ref"), *extra, ranks=2, fault=fault)
+    _record(tmp, "--out", str(tmp / "ref2"), "--parallel", "ddp", ranks=2)  # 2-rank reference
+    _record(tmp, "--out", str(tmp / "single-bf16"), "--replay", str(tmp / "ref2"), "--dtype", "bf16")
+    return tmp
+
+
+def test_a_2_rank_ddp_fp32_target_rebuilds_the_single_process_tensors(runs):
+    report = compare_ranks(runs / "ref", runs / "ddp")
+    assert report.verdict == "pass", report.decided_by
+    assert report.target["world_size"] == 2 and report.target["layout"] == "logical"
+    assert len(report.entries) == len(TraceReader(runs / "ref").entries)
+    # Batch slices joined, backward gradients scaled by 1/world, DDP's local gradients averaged:
+    # the same numbers as one process, up to float32 rounding of a different summation order.
+    assert max(e.metrics["rel_l2"] for e in report.entries) < 1e-5
+    assert not any("differ" in w for w in report.warnings), report.warnings
+
+
+def test_a_single_fp32_reference_against_2_rank_fsdp2_bf16_passes_and_a_fault_is_named(runs, tmp_path):
+    # each rank records its FSDP2 shards with their layout
+    r1 = TraceReader(rank_dirs(runs / "fsdp-bf16")[1])
+    w = next(e for e in r1.entries if e["key"] == "0/params/0/0/param.weight")
+    assert w["shape"] == [8, 8] and w["meta"]["layout"] == {
+        "placements": ["S0"], "mesh": [2], "coord": [1], "global_shape": [16, 8]}
+    assert compare_ranks(runs / "ref", runs / "fsdp-bf16").verdict == "pass"
+    report = compare_ranks(runs / "ref", runs / "fsdp-fault")
+    assert report.verdict == "fail"
+    fd = report.first_divergence
+    assert (fd["module"], fd["phase"], fd["step"]) == ("2", "forward", 0), fd
+    # the CLI takes the two directories as they are: exit 1
+    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(runs / "ref"),
+                           str(runs / "fsdp-fault")], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert proc.returncode == 1, proc.stderr
+    assert "FAIL 2's forward output" in proc.stdout
+
+
+def test_a_2_rank_reference_against_a_single_process_target_passes(runs):
+    # the single process replayed the global batch (the ranks' parts joined in rank order)
+    report = compare_ranks(runs / "ref2", runs / "single-bf16")
+    assert report.verdict == "pass", report.decided_by
+    assert report.reference["layout"] == "logical" and report.target.get("layout") is None
+
+
+def test_logical_tensor_rules():
+    def e(phase, layout=None, rank=0):
+        return {"key": f"0/{phase}/m/0/x", "phase": phase,
+                "meta": {"layout": dict(layout, coord=[rank])} if layout else {}}
+
+    a, b = torch.arange(6.).reshape(2, 3), torch.arange(6., 12.).reshape(2, 3)
+    shard = {"placements": ["S0"], "mesh": [2], "global_shape": [4, 3]}
+    # shards joined in mesh order, whatever the order of the ranks' entries
+    t, how = logical_tensor([e("params", shard, 1), e("params", shard, 0)], [b, a], None, "fsdp")
+    assert how == "gathered" and torch.equal(t, torch.cat([a, b]))
+    t, how = logical_tensor([e("forward"), e("forward")], [a, b], [4, 3], "ddp")
+    assert how == "batch" and torch.equal(t, torch.cat([a, b]))
+    t, how = logical_tensor([e("backward"), e("backward")], [a, b], [4, 3], "ddp")
+    assert how == "batch" and torch.equal(t, torch.cat([a, b]) / 2)
+    t, how = logical_tensor([e("grads"), e("grads")], [a, b], [2, 3], "ddp")
+    assert how == "mean" and torch.equal(t, (a + b) / 2)
+    assert logical_tensor([e("params"), e("params")], [a, b], [2, 3], "ddp")[1] == "replicated-differs"
+    with pytest.raises(DriftcheckError, match="neither its batch slice"):
+        logical_tensor([e("forward"), e("forward")], [a, b], [5, 3], "ddp")
+    with pytest.raises(DriftcheckError, match="1-D meshes"):
+        logical_tensor([e("params", dict(shard, mesh=[2, 2]))] * 2, [a, b], None, "fsdp")
