@@ -9,7 +9,8 @@ run started by ``torchrun`` (record(..., parallel=...) records one trace per ran
 Layout: ``OUT/rank-<r>`` is a complete, ordinary trace of rank ``r`` (its own manifest, shards and
 replay file), with ``rank``, ``world_size``, ``parallel`` and ``backend`` in its run metadata. The
 process group's backend is the device's own (``choose_backend``) or ``--dist-backend NAME``. A
-target replays the reference rank by rank, so both runs need the same world size.
+target replays a multi-rank reference rank by rank (the same world size), or a single-process
+reference, each rank taking its part of each batch (record/inputs.py).
 
 What each rank sees: the scenario's batch of every step is split along dim 0 into ``world_size``
 equal parts (rank ``r`` takes part ``r``), so the global batch is the single-process one. The
