@@ -1,8 +1,9 @@
 """Compare across layouts: a single-process trace against a multi-rank run directory (``OUT/rank-<r>``
-of a torchrun record, DDP or FSDP2), judged as one.
+of a torchrun record, DDP or FSDP2), or two multi-rank runs of different rank counts or of DDP
+and FSDP2, judged as one.
 
-The multi-rank side is rebuilt into one logical trace (a temporary directory), which the ordinary
-``compare`` then judges against the single trace. Each entry's logical tensor, from the ranks'
+Each multi-rank side is rebuilt into one logical trace (a temporary directory), which the
+ordinary ``compare`` then judges. Each entry's logical tensor, from the ranks'
 entries of the same key (docs/trace-format.md, "Layouts"):
 
 - a DTensor shard (meta ``layout``: placements, mesh, coordinate, logical shape; FSDP2's
@@ -10,8 +11,9 @@ entries of the same key (docs/trace-format.md, "Layouts"):
   order (``S<d>``), rank 0's (``R``), or their sum (``P``);
 - forward activations and the backward's gradients of a data-parallel rank (its slice of the
   global batch: record/ranks.py ``shard_batch``, contiguous parts in rank order): joined along dim
-  0 where that gives the single trace's shape; a tensor of the single trace's shape is the same
-  on every rank (forward: rank 0's; backward: the mean). A backward gradient is divided by the
+  0 where that gives the logical shape (``logical_shapes``: the single trace's; of two multi-rank
+  sides, what their slices say); a tensor of the logical shape is the same on every rank
+  (forward: rank 0's; backward: the mean). A backward gradient is divided by the
   world size: each rank's loss is the mean over its part of the batch, the global loss the mean
   of the ranks' (DDP's averaging of gradients makes the same assumption);
 - the loss: the mean over the ranks;
@@ -19,7 +21,8 @@ entries of the same key (docs/trace-format.md, "Layouts"):
 - parameters, buffers and optimizer state of DDP (replicated): rank 0's; a rank that differs is a
   warning.
 
-Same layouts (both sides multi-rank with the same ranks) keep compare/ranks.py's rank-by-rank path.
+Same layouts (both sides multi-rank with the same ranks and the same ``parallel``) keep
+compare/ranks.py's rank-by-rank path.
 Full-mode traces only: stats mode keeps a sample, from which no logical tensor can be rebuilt.
 """
 from __future__ import annotations
@@ -44,46 +47,76 @@ _SUM_META = ("kink_profile", "decision_profile", "round_profile", "host_decision
 
 
 def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: Any) -> Any:
-    """Compare a single trace with a multi-rank run directory (either side): the multi-rank side
-    rebuilt into one logical trace, then ``compare``. The report's run metadata of that side
+    """Compare two traces of different layouts (a single trace and a multi-rank run directory,
+    two multi-rank runs of different rank counts or of DDP and FSDP2): each multi-rank side
+    rebuilt into one logical trace, then ``compare``. The report's run metadata of such a side
     says ``world_size`` and ``layout: "logical"``; warnings of the rebuilding come first."""
     from driftcheck.compare import compare
 
-    ref_ranks, tgt_ranks = rank_dirs(ref), rank_dirs(target)
-    if bool(ref_ranks) == bool(tgt_ranks):
-        raise DriftcheckError("compare_layouts compares a single trace with a multi-rank run "
-                              "directory; two multi-rank runs of different rank counts are not "
-                              "supported yet: record both with the same --nproc_per_node")
     if kwargs.get("truth") is not None:
-        raise DriftcheckError("--truth with a single trace against a multi-rank run is not "
-                              "supported; compare without --truth")
+        raise DriftcheckError("--truth across layouts (a single trace against a multi-rank run, "
+                              "or runs of different ranks) is not supported; compare without --truth")
     kwargs.pop("truth", None)
-    single = TraceReader(target if ref_ranks else ref)
+    dirs = [rank_dirs(ref), rank_dirs(target)]
+    firsts = [TraceReader(d[min(d)] if d else side) for d, side in zip(dirs, (ref, target))]
+    for r in firsts:
+        if r.run.get("mode") != "full":
+            raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
+                                  "both sides (record with --mode full)")
+    expect = logical_shapes(*(({e["key"]: e["shape"] for e in r.entries}, len(d) or 1)
+                              for r, d in zip(firsts, dirs)))
+    warnings: list[str] = []
     with tempfile.TemporaryDirectory(prefix="driftcheck-logical-") as tmp:
-        merged = Path(tmp) / "logical"
-        warnings = logical_trace(ref_ranks or tgt_ranks, merged, single)
-        sides = (merged, target) if ref_ranks else (ref, merged)
-        report = compare(str(sides[0]), str(sides[1]), **kwargs)
-    world = len(ref_ranks or tgt_ranks)
-    if ref_ranks:
-        report.reference = dict(report.reference, world_size=world, layout="logical")
-    else:
-        report.target = dict(report.target, world_size=world, layout="logical")
+        paths = []
+        for name, side, d in (("reference", ref, dirs[0]), ("target", target, dirs[1])):
+            if d:
+                paths.append(Path(tmp) / name)
+                warnings += logical_trace(d, paths[-1], expect)
+            else:
+                paths.append(Path(side))
+        report = compare(str(paths[0]), str(paths[1]), **kwargs)
+    if dirs[0]:
+        report.reference = dict(report.reference, world_size=len(dirs[0]), layout="logical")
+    if dirs[1]:
+        report.target = dict(report.target, world_size=len(dirs[1]), layout="logical")
     report.warnings = warnings + list(report.warnings)
     return report
 
 
-def logical_trace(ranks: dict[int, Path], out: Path, single: TraceReader) -> list[str]:
-    """Write the logical trace of the ranks' traces into ``out`` (a new directory); the shapes
-    of ``single`` (the other side) decide which tensors are batch slices. Returns warnings."""
+def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[int]], int]
+                   ) -> dict[str, list[int]]:
+    """The logical shape of every key both sides have, from each side's (shapes of rank 0 or
+    of the single trace, number of ranks; 1: a single trace): a single trace's shape; else the
+    batch slice joined (dim 0 times the ranks) where the slices of the two sides say so (the
+    same world size: always, the two sides then join alike)."""
+    (sa, na), (sb, nb) = a, b
+    out = {}
+    for k in sa.keys() & sb.keys():
+        x, y = list(sa[k]), list(sb[k])
+        if na == 1 or nb == 1:
+            out[k] = x if na == 1 else y
+        elif not x or not y:
+            out[k] = x
+        elif na == nb and x == y:
+            out[k] = [x[0] * na, *x[1:]]
+        elif x[0] * na == y[0] * nb and x[1:] == y[1:]:
+            out[k] = [x[0] * na, *x[1:]]
+        else:
+            out[k] = x
+    return out
+
+
+def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]]) -> list[str]:
+    """Write the logical trace of the ranks' traces into ``out`` (a new directory);
+    ``expect`` (``logical_shapes``) decides which activations are batch slices. Returns
+    warnings."""
     readers = [TraceReader(ranks[r]) for r in sorted(ranks)]
     base = readers[0]
     for r in readers:
-        if r.run.get("mode") != "full" or single.run.get("mode") != "full":
-            raise DriftcheckError(f"{r.dir}: comparing a single trace with a multi-rank run needs "
-                                  "full-mode traces on both sides (record with --mode full)")
+        if r.run.get("mode") != "full":
+            raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
+                                  "both sides (record with --mode full)")
     by_key = [{e["key"]: e for e in r.entries} for r in readers]
-    expect = {e["key"]: e["shape"] for e in single.entries}
     parallel = base.run.get("parallel")
     warnings: list[str] = []
     with TraceWriter(out, force=True) as writer:

@@ -20,13 +20,13 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
     Entries and findings carry their rank (``details["rank"]``, keys prefixed ``rank<r>:``); the
     verdict fails when any rank fails; the first divergence is the earliest over all ranks
     (step, phase, execution order); ``decided_by`` gives each rank's verdict. A single trace
-    against a multi-rank run directory is compared as one logical trace (compare/layouts.py).
+    against a multi-rank run directory, and runs of different ranks or of DDP and FSDP2, are
+    compared as one logical trace each (compare/layouts.py).
     """
     from driftcheck.compare import compare
 
     refs, tgts = rank_dirs(ref), rank_dirs(target)
-    if bool(refs) != bool(tgts) and (refs or Path(ref).is_dir()) and (tgts or Path(target).is_dir()):
-        # a single trace against a multi-rank run: judged as one logical tensor per entry
+    if different_layouts(ref, target):  # judged as one logical tensor per entry
         from driftcheck.compare.layouts import compare_layouts
 
         return compare_layouts(ref, target, **kwargs)
@@ -70,6 +70,21 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
     return Report(verdict=verdict, reference=ref_run, target=tgt_run, first_divergence=first,
                   entries=entries, findings=findings, limit=base.limit, decided_by=decided_by,
                   warnings=warnings, truth=base.truth, policy=base.policy)
+
+
+def different_layouts(ref: str | os.PathLike, target: str | os.PathLike) -> bool:
+    """A single trace and a multi-rank run directory, or two multi-rank runs of different ranks
+    or different ``parallel`` (DDP, FSDP2)."""
+    from driftcheck.store.reader import TraceReader
+
+    refs, tgts = rank_dirs(ref), rank_dirs(target)
+    if not refs and not tgts:
+        return False
+    if bool(refs) != bool(tgts):  # the other side must be a trace directory, or say why not
+        return bool(refs or Path(ref).is_dir()) and bool(tgts or Path(target).is_dir())
+    if set(refs) != set(tgts):
+        return True
+    return TraceReader(refs[min(refs)]).run.get("parallel") != TraceReader(tgts[min(tgts)]).run.get("parallel")
 
 
 def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[TraceKey, tuple[float, float]]:

@@ -42,15 +42,16 @@ def replayed_inputs(model: nn.Module, config: RecordConfig, n_steps: int,
                      world: int | None, rank: int | None = None) -> Inputs:
     """A target's steps: the reference's initial state loaded into ``model``, its batches.
 
-    Across layouts: a single process replaying a multi-rank reference takes the global batch
-    (the ranks' parts joined in rank order) and rank 0's initial state; a rank replaying a
-    single-process reference takes its part of each batch (ranks.shard_batch), as a reference
-    rank would have."""
+    Across layouts: replaying a multi-rank reference of another number of ranks (or from a
+    single process) takes its global batch (the ranks' parts joined in rank order) and rank 0's
+    initial state; a rank then takes its part of each batch (ranks.shard_batch), as a reference
+    rank of this run's world size would have."""
     replay = config.replay
     assert replay is not None
     joined = None
-    if not config.parallel and is_multirank(replay):
+    if is_multirank(replay):  # record._join_ranks resolved one of as many ranks to its rank
         tensors, meta, joined = _joined_replay(replay)
+        meta = {k: v for k, v in meta.items() if k not in ("rank", "world_size")}  # global
     else:
         tensors, meta = read_replay(replay)
     if meta.get("inputs_are") == "calls":

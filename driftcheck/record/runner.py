@@ -31,7 +31,7 @@ from driftcheck.record.points import load_point_optimizer
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer, view_audit
 from driftcheck.scenario import Scenario
-from driftcheck.store.layout import is_multirank, rank_dir
+from driftcheck.store.layout import rank_dir, rank_dirs
 from driftcheck.store.writer import TraceWriter
 from driftcheck.targets import precision
 
@@ -113,11 +113,13 @@ def _join_ranks(config: RecordConfig, device: torch.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     replay = config.replay
-    if replay is not None and is_multirank(replay):  # else a single trace: this rank's part
+    # A reference of as many ranks: this rank's trace. Else (a single trace, or another number
+    # of ranks) the reference's global batch, of which this rank takes its part (inputs.py).
+    if replay is not None and len(rank_dirs(replay)) == world:
         src = rank_dir(replay, rank)
         if not src.is_dir():
-            raise DriftcheckError(f"--replay {replay} has no {src.name}: the reference ran with "
-                                  f"fewer ranks than this run's {world}; use the same --nproc_per_node")
+            raise DriftcheckError(f"--replay {replay} has no {src.name}: its ranks are not "
+                                  f"numbered 0 to {world - 1}; re-record the reference")
         replay = src
     return config.replace(out=rank_dir(config.out, rank), replay=replay), device, \
         Ranks(rank, world, backend)

@@ -1,5 +1,6 @@
 """Compare across layouts (issue 46): a single-process trace against a 2-rank torchrun run (gloo,
-CPU), DDP and FSDP2, judged as one logical trace (driftcheck/compare/layouts.py)."""
+CPU), DDP and FSDP2, 2-rank DDP against 2-rank FSDP2, 2 ranks against 4, each judged as one
+logical trace (driftcheck/compare/layouts.py)."""
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from driftcheck.compare.layouts import logical_tensor
-from driftcheck.compare.ranks import compare_ranks
+from driftcheck.compare.layouts import logical_shapes, logical_tensor
+from driftcheck.compare.ranks import compare_ranks, different_layouts
 from driftcheck.errors import DriftcheckError
 from driftcheck.store import TraceReader
 from driftcheck.store.layout import rank_dirs
@@ -69,6 +70,10 @@ def runs(tmp_path_factory):
         _record(tmp, "--out", str(tmp / name), "--replay", str(tmp / "ref"), *extra, ranks=2, fault=fault)
     _record(tmp, "--out", str(tmp / "ref2"), "--parallel", "ddp", ranks=2)  # 2-rank reference
     _record(tmp, "--out", str(tmp / "single-bf16"), "--replay", str(tmp / "ref2"), "--dtype", "bf16")
+    for name, extra, n, fault in (("fsdp-of-ddp", ("--parallel", "fsdp"), 2, True),
+                                  ("ddp4", ("--parallel", "ddp"), 4, False)):
+        _record(tmp, "--out", str(tmp / name), "--replay", str(tmp / "ref2"), "--dtype", "bf16",
+                *extra, ranks=n, fault=fault)
     return tmp
 
 
@@ -107,6 +112,29 @@ def test_a_2_rank_reference_against_a_single_process_target_passes(runs):
     report = compare_ranks(runs / "ref2", runs / "single-bf16")
     assert report.verdict == "pass", report.decided_by
     assert report.reference["layout"] == "logical" and report.target.get("layout") is None
+
+
+def test_ddp_against_fsdp2_and_2_ranks_against_4_are_judged_as_one(runs):
+    assert not different_layouts(runs / "ref2", runs / "ref2")  # same layout: rank by rank
+    assert different_layouts(runs / "ref2", runs / "fsdp-of-ddp") and different_layouts(runs / "ref2", runs / "ddp4")
+    # a 2-rank DDP fp32 reference, a 2-rank FSDP2 bf16 target with the 5% fault in module 2
+    report = compare_ranks(runs / "ref2", runs / "fsdp-of-ddp")
+    assert report.verdict == "fail" and report.first_divergence["module"] == "2", report.first_divergence
+    assert report.reference["layout"] == report.target["layout"] == "logical"
+    # 4 ranks replayed the 2 ranks' global batch, each its quarter
+    assert [e["shape"] for e in TraceReader(rank_dirs(runs / "ddp4")[3]).entries
+            if e["key"] == "0/forward/0/0/input.0"] == [[1, 8]]
+    report = compare_ranks(runs / "ref2", runs / "ddp4")
+    assert report.verdict == "pass" and report.target["world_size"] == 4, report.decided_by
+    assert compare_ranks(runs / "ref", runs / "ddp4").verdict == "pass"
+
+
+def test_logical_shapes():
+    single, two, four = ({"x": [4, 3], "w": [5]}, 1), ({"x": [2, 3], "w": [5]}, 2), ({"x": [1, 3], "w": [5]}, 4)
+    assert logical_shapes(single, two) == logical_shapes(two, single) == {"x": [4, 3], "w": [5]}
+    assert logical_shapes(two, four) == logical_shapes(four, two) == {"x": [4, 3], "w": [5]}
+    # as many ranks on both sides: slices of the same shape, joined alike on both sides
+    assert logical_shapes(two, two) == {"x": [4, 3], "w": [10]}
 
 
 def test_logical_tensor_rules():
