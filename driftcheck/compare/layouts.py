@@ -213,6 +213,8 @@ def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how:
     out["shape"] = list(t.shape)
     out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist())
     meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout")}
+    if e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and len(group) > 1:
+        meta["rank_split"] = len(group)  # a reduction across the ranks (compare/allowances.py)
     if how == "batch":
         metas = [g.get("meta") or {} for g in group]
         for k in meta:

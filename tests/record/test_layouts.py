@@ -94,7 +94,11 @@ def test_a_single_fp32_reference_against_2_rank_fsdp2_bf16_passes_and_a_fault_is
     w = next(e for e in r1.entries if e["key"] == "0/params/0/0/param.weight")
     assert w["shape"] == [8, 8] and w["meta"]["layout"] == {
         "placements": ["S0"], "mesh": [2], "coord": [1], "global_shape": [16, 8]}
-    assert compare_ranks(runs / "ref", runs / "fsdp-bf16").verdict == "pass"
+    report = compare_ranks(runs / "ref", runs / "fsdp-bf16")
+    assert report.verdict == "pass"
+    # the gradients were reduce-scattered across the 2 ranks in bf16: their floors allow it
+    grads = [e for e in report.entries if e.phase == "grads"]
+    assert grads and all(e.details.get("rank_split_allowance", 0) > 0 for e in grads)
     report = compare_ranks(runs / "ref", runs / "fsdp-fault")
     assert report.verdict == "fail"
     fd = report.first_divergence
