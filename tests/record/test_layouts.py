@@ -133,6 +133,16 @@ def test_ddp_against_fsdp2_and_2_ranks_against_4_are_judged_as_one(runs):
     assert compare_ranks(runs / "ref", runs / "ddp4").verdict == "pass"
 
 
+def test_across_layouts_needs_full_mode_in_one_line(runs, tmp_path):
+    (tmp_path / "sc.py").write_text(SCENARIO)
+    _record(tmp_path, "--out", str(tmp_path / "stats"), "--mode", "stats", "--replay", str(runs / "ref"))
+    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(tmp_path / "stats"),
+                           str(runs / "ddp")], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert proc.returncode == 2 and "needs full-mode traces" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
 def test_logical_shapes():
     single, two, four = ({"x": [4, 3], "w": [5]}, 1), ({"x": [2, 3], "w": [5]}, 2), ({"x": [1, 3], "w": [5]}, 4)
     assert logical_shapes(single, two) == logical_shapes(two, single) == {"x": [4, 3], "w": [5]}
