@@ -65,7 +65,11 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
                                   "both sides (record with --mode full)")
     expect = logical_shapes(*(({e["key"]: e["shape"] for e in r.entries}, len(d) or 1)
                               for r, d in zip(firsts, dirs)))
-    warnings: list[str] = []
+    warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
+                "not hold contiguous parts of one global batch in rank order (as driftcheck record "
+                "--parallel splits it); the logical tensors assume they do"
+                for r, d, side in zip(firsts, dirs, (ref, target))
+                if d and (r.run.get("driver") or not r.run.get("replay_id"))]
     with tempfile.TemporaryDirectory(prefix="driftcheck-logical-") as tmp:
         paths = []
         for name, side, d in (("reference", ref, dirs[0]), ("target", target, dirs[1])):

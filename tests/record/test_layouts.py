@@ -143,6 +143,21 @@ def test_across_layouts_needs_full_mode_in_one_line(runs, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+def test_ranks_of_a_training_loop_callback_are_a_warning(runs, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "loop"
+    shutil.copytree(runs / "ddp", copy)
+    for d in rank_dirs(copy).values():  # as the Trainer callback's records say
+        m = json.loads((d / "manifest.json").read_text())
+        m["run"]["driver"] = "transformers.Trainer"
+        (d / "manifest.json").write_text(json.dumps(m))
+    report = compare_ranks(runs / "ref", copy)
+    assert any("transformers.Trainer" in w and "contiguous" in w for w in report.warnings)
+    assert not any("contiguous" in w for w in compare_ranks(runs / "ref", runs / "ddp").warnings)
+
+
 def test_logical_shapes():
     single, two, four = ({"x": [4, 3], "w": [5]}, 1), ({"x": [2, 3], "w": [5]}, 2), ({"x": [1, 3], "w": [5]}, 4)
     assert logical_shapes(single, two) == logical_shapes(two, single) == {"x": [4, 3], "w": [5]}
