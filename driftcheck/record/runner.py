@@ -190,7 +190,7 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
     """Train the record's steps under the tracer and write the trace."""
     m = _prepare(model, scenario, config, user_compiled, device, tdtype)
     phases = _phases(config, scenario, m.optimizer)
-    dropout = DropoutControl(config.seed)
+    dropout = DropoutControl(config.seed, ranks_.rank, ranks_.world)
     local_replay = _open_local(config.local, config.replay, inputs.replay_id, config.fp8, dropout) \
         if config.local is not None else None
     with TraceWriter(config.out, force=config.force) as writer:

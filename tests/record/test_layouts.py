@@ -187,3 +187,18 @@ def test_logical_tensor_rules():
         logical_tensor([e("forward"), e("forward")], [a, b], [5, 3], "ddp")
     with pytest.raises(DriftcheckError, match="1-D meshes"):
         logical_tensor([e("params", dict(shard, mesh=[2, 2]))] * 2, [a, b], None, "fsdp")
+
+
+def test_a_ranks_dropout_mask_is_its_part_of_the_single_process_mask():
+    from driftcheck.record.rng import DropoutControl
+
+    x = torch.ones(4, 6)
+    with DropoutControl(3) as one:
+        one.set_step(1)
+        whole = torch.nn.functional.dropout(x, 0.5, training=True)
+    parts = []
+    for rank in range(2):
+        with DropoutControl(3, rank, 2) as ctl:
+            ctl.set_step(1)
+            parts.append(torch.nn.functional.dropout(x[:2], 0.5, training=True))
+    assert torch.equal(torch.cat(parts), whole)
