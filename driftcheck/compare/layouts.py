@@ -136,6 +136,7 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
             t, how = logical_tensor(group, tensors, expect.get(e["key"]), parallel)  # type: ignore[arg-type]
             if how == "replicated-differs":
                 warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
+            warnings += batch_statistics(e, how, warnings)
             writer.add(_entry(e, group, t, how), t.contiguous())
         run = {k: v for k, v in base.run.items() if k != "rank"}
         extra = {k: v for k, v in base.manifest.items()
@@ -236,3 +237,16 @@ def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how:
     if meta:
         out["meta"] = meta
     return out
+
+
+def batch_statistics(e: dict[str, Any], how: str, said: list[str]) -> list[str]:
+    """A BatchNorm in training (not SyncBatchNorm) normalizes each rank's part of the batch by
+    that part's statistics: not one process's numbers, whatever the precision. Once a module."""
+    meta = e.get("meta") or {}
+    if not (how == "batch" and e["phase"] == "forward" and meta.get("kind") == "batchnorm"
+            and meta.get("norm_dims") is not None and meta.get("module_type") != "SyncBatchNorm"):
+        return []
+    text = (f"{e['module']}: a BatchNorm in training normalizes each rank's part of the batch by "
+            "its own statistics (not SyncBatchNorm): its outputs differ from one process's by the "
+            "layout, not by precision")
+    return [] if text in said else [text]

@@ -202,3 +202,15 @@ def test_a_ranks_dropout_mask_is_its_part_of_the_single_process_mask():
             ctl.set_step(1)
             parts.append(torch.nn.functional.dropout(x[:2], 0.5, training=True))
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_a_batchnorm_in_training_across_layouts_is_a_warning_once():
+    from driftcheck.compare.layouts import batch_statistics
+
+    bn = {"key": "0/forward/bn1/0/output", "module": "bn1", "phase": "forward",
+          "meta": {"kind": "batchnorm", "norm_dims": [0, 2, 3], "module_type": "BatchNorm2d"}}
+    said = batch_statistics(bn, "batch", [])
+    assert len(said) == 1 and "bn1: a BatchNorm in training" in said[0]
+    assert batch_statistics(bn, "batch", said) == []  # once a module
+    assert batch_statistics(dict(bn, meta=dict(bn["meta"], module_type="SyncBatchNorm")), "batch", []) == []
+    assert batch_statistics(dict(bn, meta=dict(bn["meta"], norm_dims=None)), "batch", []) == []  # eval
