@@ -83,6 +83,10 @@ def models(obj: Ctx) -> None:
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
                    "in OUT/rank-N (see docs/performance.md).")
+@click.option("--dist-backend", default=None, metavar="NAME",
+              help="With --parallel: the process-group backend, any registered with "
+                   "torch.distributed  [default: the device's own: nccl for cuda, tpu_dist for "
+                   "tpu, gloo for cpu and lazy]")
 @click.option("--local", "local", type=click.Path(), default=None,
               help="Also rerun every leaf module on this reference's inputs: compare then separates "
                    "each module's own error from what it inherits  [default: the --replay trace, "
@@ -103,8 +107,8 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
            mkldnn: str | None, compile_backend: str | None, compile_mode: str | None, dynamic: bool | None,
            view_audit: bool, local: str | None, no_local: bool, env_vars: tuple, simulate: str | None,
-           parallel: str | None, long_: bool, every: int, points_every: int | None, perturb: bool,
-           start: int | None) -> None:
+           parallel: str | None, dist_backend: str | None, long_: bool, every: int,
+           points_every: int | None, perturb: bool, start: int | None) -> None:
     """Record MODEL's training steps into a trace directory.
 
     MODEL is a built-in name (driftcheck models), hf:<family>, hf:PATH,
@@ -181,7 +185,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
             full_modules=full_modules, phases=_set(parse_phases(phases)),
             capture_steps=_set(parse_ranges(capture_steps)), transfer=transfer, autocast=autocast,
             fp8=fp8, view_audit=view_audit, local=local, simulate=simulate, parallel=parallel,
-            on_written=on_written,
+            dist_backend=dist_backend, on_written=on_written,
             emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_,
             mkldnn=None if mkldnn is None else mkldnn == "on")))
     _say_recorded(obj, out if is_url(out) else recorded, simulate)

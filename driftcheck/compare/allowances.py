@@ -4,12 +4,13 @@ may carry beyond its own rounding and the relative error it inherits, each a nam
 An entry gets at most one term of its phase (:meth:`Allowances.of_phase`): a bias gradient's
 coherent sum, a norm kernel's low-precision sum, a parameter's carried optimizer error, an
 optimizer moment's gradient error, the optimizer's update, a CTC loss's output gradient. On top
-of it, in this order: a norm output's parameter error, a softmax's logits, a rounding grid. The
-sum is taken in exactly that order (floating point: the floors are bit for bit those of the
-comparison before these were named).
+of it, in this order: a norm output's parameter error, a softmax's logits, a rounding grid, a
+reduction split across ranks. The sum is taken in exactly that order (floating point: the floors
+are bit for bit those of the comparison before these were named).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from driftcheck.compare.decisions import Decisions
@@ -20,6 +21,7 @@ from driftcheck.compare.magnitude import Magnitudes
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.propagation import NONE, Ledger
 from driftcheck.compare.scale import Scales
+from driftcheck.numerics import dtypes
 from driftcheck.store.keys import TraceKey
 
 C_UPDATE = 0.5  # optimizer: share of the reference's own update that rounding may flip
@@ -44,7 +46,7 @@ class Allowances:
         the terms that add to it, summed left to right."""
         total = self.of_phase(r, t, how, details)
         for term in (self.norm_parameters(r, scale), self.softmax_logits(u, logits, scale),
-                     self.grid_rounding(r, details)):
+                     self.grid_rounding(r, details), self.rank_split(r, t, details)):
             if term is not None:
                 total = (total[0] + term[0], total[1] + term[1])
         return total
@@ -133,3 +135,22 @@ class Allowances:
             return None
         details["rounding"] = rounded[2]
         return rounded[0], rounded[1]
+
+    @staticmethod
+    def rank_split(r: TraceEntry, t: TraceEntry, details: dict[str, Any]) -> Extra | None:
+        """A logical tensor that a reduction across N ranks made (meta ``rank_split``, written by
+        compare/layouts.py: a gradient all-reduced or reduce-scattered, the loss's mean): the
+        collective adds N partial sums in the tensor's own dtype, up to N - 1 roundings more
+        than one process's sum: sqrt(N) u of its rms, N u of its largest element, u of the
+        dtype of the side that was split."""
+        extra = None
+        for side in (r, t):
+            n = side.meta.get("rank_split")
+            if not isinstance(n, int) or n < 2 or not dtypes.is_float(side.dtype):
+                continue
+            u = dtypes.unit_roundoff(side.dtype)
+            term = (math.sqrt(n) * u * rms_of(r.stats), n * u * (r.stats.get("absmax") or 0.0))
+            extra = term if extra is None else (max(extra[0], term[0]), max(extra[1], term[1]))
+        if extra is not None:
+            details["rank_split_allowance"] = extra[0]
+        return extra

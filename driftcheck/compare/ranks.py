@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from driftcheck.errors import DriftcheckError
@@ -18,11 +19,17 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
 
     Entries and findings carry their rank (``details["rank"]``, keys prefixed ``rank<r>:``); the
     verdict fails when any rank fails; the first divergence is the earliest over all ranks
-    (step, phase, execution order); ``decided_by`` gives each rank's verdict.
+    (step, phase, execution order); ``decided_by`` gives each rank's verdict. A single trace
+    against a multi-rank run directory, and runs of different ranks or of DDP and FSDP2, are
+    compared as one logical trace each (compare/layouts.py).
     """
     from driftcheck.compare import compare
 
     refs, tgts = rank_dirs(ref), rank_dirs(target)
+    if different_layouts(ref, target):  # judged as one logical tensor per entry
+        from driftcheck.compare.layouts import compare_layouts
+
+        return compare_layouts(ref, target, **kwargs)
     if not refs or not tgts:
         which = ref if not refs else target
         raise DriftcheckError(f"{which} is not a multi-rank run directory (rank-0, rank-1, ... "
@@ -63,6 +70,21 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
     return Report(verdict=verdict, reference=ref_run, target=tgt_run, first_divergence=first,
                   entries=entries, findings=findings, limit=base.limit, decided_by=decided_by,
                   warnings=warnings, truth=base.truth, policy=base.policy)
+
+
+def different_layouts(ref: str | os.PathLike, target: str | os.PathLike) -> bool:
+    """A single trace and a multi-rank run directory, or two multi-rank runs of different ranks
+    or different ``parallel`` (DDP, FSDP2)."""
+    from driftcheck.store.reader import TraceReader
+
+    refs, tgts = rank_dirs(ref), rank_dirs(target)
+    if not refs and not tgts:
+        return False
+    if bool(refs) != bool(tgts):  # the other side must be a trace directory, or say why not
+        return bool(refs or Path(ref).is_dir()) and bool(tgts or Path(target).is_dir())
+    if set(refs) != set(tgts):
+        return True
+    return TraceReader(refs[min(refs)]).run.get("parallel") != TraceReader(tgts[min(tgts)]).run.get("parallel")
 
 
 def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[TraceKey, tuple[float, float]]:

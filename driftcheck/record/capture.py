@@ -147,8 +147,8 @@ class Capture:
             # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
             # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
             # compare_ranks judges what depends on it with the whole tensor's error (meta shard).
+            extra = dict(extra or {}, shard=True, layout=dtensor_layout(t))
             t = t.to_local()
-            extra = dict(extra or {}, shard=True)
         if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): dense
             t = t.to_dense()
         skey = key_string(self.step, phase, module, call, slot)
@@ -364,3 +364,19 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             out[i] = flat[offset:offset + n].reshape(tensors[i].shape).clone()
             offset += n
     return out  # type: ignore[return-value]
+
+
+def dtensor_layout(t: Any) -> dict[str, Any]:
+    """How a DTensor's local shard maps to the logical tensor (meta ``layout``), from its own
+    attributes, no collective: its placements (``"S<dim>"`` sharded along dim, ``"R"``
+    replicated, ``"P"`` a partial sum), the mesh's shape, this rank's coordinate in the mesh
+    and the logical shape (docs/trace-format.md)."""
+    def name(p: Any) -> str:
+        if p.is_shard():
+            return f"S{p.dim}"
+        return "R" if p.is_replicate() else "P"
+
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    return {"placements": [name(p) for p in t.placements], "mesh": list(mesh.shape),
+            "coord": list(coord) if coord is not None else None, "global_shape": list(t.shape)}

@@ -96,6 +96,8 @@ class RecordConfig:
             called with each step's number (a fault scheduled to begin at some step).
         parallel: "ddp" or "fsdp" under torchrun: this rank into ``out/rank-<rank>``, replaying
             the reference's ``rank-<rank>``.
+        dist_backend: with ``parallel``, the process-group backend by name (any registered with
+            torch.distributed); None: the device's own (record/ranks.py ``choose_backend``).
         start: with ``replay`` a long reference (record/long.py): start at this step from its
             replay point (weights and optimizer state) and run ``steps`` steps from there,
             numbered from ``start`` (``capture_steps`` are those numbers).
@@ -133,6 +135,7 @@ class RecordConfig:
     on_written: Callable[[int, int], None] | None = None
     target_hooks: Callable[[Any], Any] | None = None
     parallel: str | None = None
+    dist_backend: str | None = None
     start: int | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     compile: Mapping[str, Any] | None = None

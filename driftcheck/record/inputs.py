@@ -3,6 +3,7 @@ state and inputs), or the batches a target replays from a reference (its initial
 into the model; a long reference's segment from a replay point)."""
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -15,6 +16,7 @@ from driftcheck.record import ranks
 from driftcheck.record.config import RecordConfig
 from driftcheck.record.points import load_state as _load_replay_state, segment
 from driftcheck.scenario import Scenario
+from driftcheck.store.layout import is_multirank, rank_dirs
 from driftcheck.store.replay import (
     decode_batch,
     encode_batch,
@@ -37,11 +39,21 @@ class Inputs(NamedTuple):
 
 
 def replayed_inputs(model: nn.Module, config: RecordConfig, n_steps: int,
-                     world: int | None) -> Inputs:
-    """A target's steps: the reference's initial state loaded into ``model``, its batches."""
+                     world: int | None, rank: int | None = None) -> Inputs:
+    """A target's steps: the reference's initial state loaded into ``model``, its batches.
+
+    Across layouts: replaying a multi-rank reference of another number of ranks (or from a
+    single process) takes its global batch (the ranks' parts joined in rank order) and rank 0's
+    initial state; a rank then takes its part of each batch (ranks.shard_batch), as a reference
+    rank of this run's world size would have."""
     replay = config.replay
     assert replay is not None
-    tensors, meta = read_replay(replay)
+    joined = None
+    if is_multirank(replay):  # record._join_ranks resolved one of as many ranks to its rank
+        tensors, meta, joined = _joined_replay(replay)
+        meta = {k: v for k, v in meta.items() if k not in ("rank", "world_size")}  # global
+    else:
+        tensors, meta = read_replay(replay)
     if meta.get("inputs_are") == "calls":
         raise DriftcheckError(f"--replay {replay} was recorded by a training-loop callback "
                               f"({meta.get('driver') or 'driftcheck.integrations'}): replay it "
@@ -55,7 +67,10 @@ def replayed_inputs(model: nn.Module, config: RecordConfig, n_steps: int,
     if not isinstance(inputs, list):
         raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
                               "re-record the reference")
-    all_batches = [decode_batch(d, tensors) for d in inputs]
+    all_batches = joined if joined is not None else [decode_batch(d, tensors) for d in inputs]
+    if config.parallel and "world_size" not in meta and world:  # a single-process reference
+        assert rank is not None
+        all_batches = [ranks.shard_batch(b, rank, world) for b in all_batches]
     if meta.get("cycle") or config.start:  # a long reference: from its replay point at `start`
         all_batches = segment(model, replay, meta, all_batches, config.start or 0, config.steps,
                               n_steps)
@@ -96,3 +111,19 @@ def new_inputs(model: nn.Module, scenario: Scenario, config: RecordConfig, n_ste
     if config.parallel:
         meta.update(rank=rank, world_size=world)
     return Inputs(batches, replay_id, config.seed, tensors, meta)
+
+
+def _joined_replay(run_dir: str | os.PathLike[str]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[Any]]:
+    """Rank 0's replay (tensors, metadata) of a multi-rank reference, and the global batches:
+    each step's ranks' parts joined in rank order (the inverse of ranks.shard_batch)."""
+    dirs = rank_dirs(run_dir)
+    replays = [read_replay(d) for d in dirs.values()]
+    tensors, meta = replays[0]
+    if any(m.get("replay_id") != meta.get("replay_id") for _, m in replays):
+        raise DriftcheckError(f"--replay {run_dir}: its ranks come from different records "
+                              "(different replay ids); re-record the reference")
+    parts = [[decode_batch(d, t) for d in m.get("inputs", [])] for t, m in replays]
+    if len({len(p) for p in parts}) != 1:
+        raise DriftcheckError(f"--replay {run_dir}: its ranks hold different numbers of steps")
+    return tensors, meta, [ranks.join_batches(list(step)) for step in zip(*parts)]

@@ -7,8 +7,10 @@ run started by ``torchrun`` (record(..., parallel=...) records one trace per ran
     driftcheck compare ref tgt          # rank by rank, one verdict
 
 Layout: ``OUT/rank-<r>`` is a complete, ordinary trace of rank ``r`` (its own manifest, shards and
-replay file), with ``rank``, ``world_size``, ``parallel`` and ``backend`` in its run metadata. A
-target replays the reference rank by rank, so both runs need the same world size.
+replay file), with ``rank``, ``world_size``, ``parallel`` and ``backend`` in its run metadata. The
+process group's backend is the device's own (``choose_backend``) or ``--dist-backend NAME``. A
+target replays a multi-rank reference rank by rank (the same world size), or a single-process
+reference, each rank taking its part of each batch (record/inputs.py).
 
 What each rank sees: the scenario's batch of every step is split along dim 0 into ``world_size``
 equal parts (rank ``r`` takes part ``r``), so the global batch is the single-process one. The
@@ -28,24 +30,64 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.nested import substitute
+from driftcheck.nested import flatten, substitute
 
 PARALLEL = ("ddp", "fsdp")
 
 
 # -- recording ------------------------------------------------------------------------------------
-def init_from_env(device: torch.device) -> tuple[int, int, str]:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); (rank, world, backend)."""
+# The process-group backend of each device type under torchrun (--dist-backend NAME chooses any
+# other registered one). tpu_dist is registered by torch_tpu (import torch_tpu before the group).
+DEFAULT_BACKENDS = {"cuda": "nccl", "tpu": "tpu_dist", "cpu": "gloo", "lazy": "gloo"}
+
+
+def choose_backend(device_type: str, name: str | None = None) -> str:
+    """The process-group backend a record on ``device_type`` joins: ``name`` (any backend
+    registered with torch.distributed), else the device type's own (DEFAULT_BACKENDS, then
+    torch's default for the type).
+
+    Raises:
+        DriftcheckError: one line: a backend not registered or not available in this torch
+            (tpu_dist without torch_tpu, nccl in a CPU build), or a device type without a default.
+    """
+    import torch.distributed as dist
+
+    chosen = (name or DEFAULT_BACKENDS.get(device_type)
+              or dist.Backend.default_device_backend_map.get(device_type))
+    if not chosen:
+        raise DriftcheckError(f"no default process-group backend for device {device_type!r}: pass "
+                              f"--dist-backend NAME (available here: {', '.join(available_backends())})")
+    if not dist.is_backend_available(chosen):
+        why = (f"--dist-backend {chosen}" if name
+               else f"the process-group backend of device {device_type!r}, {chosen},")
+        hint = ("torch_tpu registers it: install torch_tpu and record with --device tpu"
+                if chosen == "tpu_dist" else "pass --dist-backend NAME")
+        raise DriftcheckError(f"{why} is not available in this torch (registered and available: "
+                              f"{', '.join(available_backends())}); {hint}")
+    return chosen
+
+
+def available_backends() -> list[str]:
+    """The process-group backends torch.distributed has registered and can start here."""
+    import torch.distributed as dist
+
+    return [b for b in dist.Backend.backend_list
+            if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+
+
+def init_from_env(device: torch.device, backend: str | None = None) -> tuple[int, int, str]:
+    """Join the process group torchrun describes with ``choose_backend``'s backend for
+    ``device``; (rank, world, backend)."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise DriftcheckError("--parallel needs torch.distributed, which this torch build lacks")
     if not dist.is_initialized():
+        chosen = choose_backend(device.type, backend)
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise DriftcheckError("--parallel runs under torchrun: torchrun --nproc_per_node N -m "
                                   "driftcheck record MODEL --out DIR --parallel ddp")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(chosen, timeout=datetime.timedelta(minutes=10))
     return dist.get_rank(), dist.get_world_size(), dist.get_backend()
 
 
@@ -60,6 +102,17 @@ def shard_batch(batch: Any, rank: int, world: int) -> Any:
         return t.chunk(world, dim=0)[rank].clone()
 
     return substitute(batch, "", part)
+
+
+def join_batches(parts: list[Any]) -> Any:
+    """The global batch of the ranks' ``parts`` (rank order): every tensor joined along dim 0,
+    anything else as rank 0 has it (the inverse of ``shard_batch``)."""
+    others = [dict(flatten(p, "")) for p in parts[1:]]
+
+    def join(path: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, *(o[path] for o in others)], dim=0)
+
+    return substitute(parts[0], "", join)
 
 
 def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:

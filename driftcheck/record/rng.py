@@ -29,8 +29,12 @@ class DropoutControl:
     _PATCHED = (("dropout", F), ("dropout1d", F), ("dropout2d", F), ("dropout3d", F),
                 ("scaled_dot_product_attention", F), ("dropout", torch))
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, rank: int | None = None, world: int | None = None) -> None:
         self.seed = seed
+        # A rank of a torchrun record (rank, world): its batch is part ``rank`` of ``world``
+        # contiguous parts along dim 0, so it takes that part of the mask one process would
+        # draw for the global batch: the same masks whatever the number of ranks.
+        self.part = (rank, world) if rank is not None and world and world > 1 else None
         self.step = 0
         self.index = 0
         self.masks: list[dict[str, Any]] = []  # (step, index, p, shape) of every mask drawn
@@ -55,7 +59,12 @@ class DropoutControl:
     def _mask_eager(self, shape: torch.Size, p: float, like: torch.Tensor) -> torch.Tensor:
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.step * 10_007 + self.index) % 2**63)
         self.index += 1
-        keep = torch.rand(shape, generator=g) >= p
+        if self.part is not None and len(shape) >= 1:
+            rank, world = self.part
+            whole = torch.rand([shape[0] * world, *shape[1:]], generator=g)
+            keep = whole[rank * shape[0]:(rank + 1) * shape[0]] >= p
+        else:
+            keep = torch.rand(shape, generator=g) >= p
         self.masks.append({"step": self.step, "index": self.index - 1, "p": p, "shape": list(shape)})
         # noise = mask / (1 - p), as PyTorch's native dropout scales it, in the input's dtype.
         return (keep.to(like.dtype) / (1.0 - p) if p < 1 else keep.to(like.dtype)).to(like.device)

@@ -31,7 +31,7 @@ from driftcheck.record.points import load_point_optimizer
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer, view_audit
 from driftcheck.scenario import Scenario
-from driftcheck.store.layout import rank_dir
+from driftcheck.store.layout import rank_dir, rank_dirs
 from driftcheck.store.writer import TraceWriter
 from driftcheck.targets import precision
 
@@ -75,7 +75,7 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
     _check_model(model, scenario, config.model_id)
     torch.manual_seed(config.seed)
     if config.replay is not None:
-        inputs = replayed_inputs(model, config, n_steps, ranks_.world)
+        inputs = replayed_inputs(model, config, n_steps, ranks_.world, ranks_.rank)
     else:
         inputs = new_inputs(model, scenario, config, n_steps, ranks_.rank, ranks_.world)
     first_step = config.start or 0
@@ -98,6 +98,9 @@ def _refuse_combinations(config: RecordConfig) -> None:
         raise DriftcheckError("--compile records a plain compiled run: drop --parallel, --local, "
                               "--fp8, --simulate, --emulate and --view-audit (they run the model "
                               "eagerly or under a dispatch mode Dynamo does not trace)")
+    if c.dist_backend and not c.parallel:
+        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp; "
+                              "add --parallel or drop --dist-backend")
     if c.parallel and (c.fp8 or c.local is not None or c.simulate or c.view_audit or c.emulate):
         raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
                               "--simulate, --emulate and --view-audit, or record a single process")
@@ -106,15 +109,17 @@ def _refuse_combinations(config: RecordConfig) -> None:
 def _join_ranks(config: RecordConfig, device: torch.device
                 ) -> tuple[RecordConfig, torch.device, Ranks]:
     """Under torchrun: this rank's device, its trace directory and the reference's."""
-    rank, world, backend = ranks.init_from_env(device)
+    rank, world, backend = ranks.init_from_env(device, config.dist_backend)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     replay = config.replay
-    if replay is not None:
+    # A reference of as many ranks: this rank's trace. Else (a single trace, or another number
+    # of ranks) the reference's global batch, of which this rank takes its part (inputs.py).
+    if replay is not None and len(rank_dirs(replay)) == world:
         src = rank_dir(replay, rank)
         if not src.is_dir():
-            raise DriftcheckError(f"--replay {replay} has no {src.name}: the reference ran with "
-                                  f"fewer ranks than this run's {world}; use the same --nproc_per_node")
+            raise DriftcheckError(f"--replay {replay} has no {src.name}: its ranks are not "
+                                  f"numbered 0 to {world - 1}; re-record the reference")
         replay = src
     return config.replace(out=rank_dir(config.out, rank), replay=replay), device, \
         Ranks(rank, world, backend)
@@ -185,7 +190,7 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
     """Train the record's steps under the tracer and write the trace."""
     m = _prepare(model, scenario, config, user_compiled, device, tdtype)
     phases = _phases(config, scenario, m.optimizer)
-    dropout = DropoutControl(config.seed)
+    dropout = DropoutControl(config.seed, ranks_.rank, ranks_.world)
     local_replay = _open_local(config.local, config.replay, inputs.replay_id, config.fp8, dropout) \
         if config.local is not None else None
     with TraceWriter(config.out, force=config.force) as writer:

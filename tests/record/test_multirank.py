@@ -15,7 +15,7 @@ import torch
 
 from driftcheck.compare.ranks import compare_ranks
 from driftcheck.errors import DriftcheckError
-from driftcheck.record.ranks import shard_batch
+from driftcheck.record.ranks import choose_backend, shard_batch
 from driftcheck.store import TraceReader
 from driftcheck.store.layout import is_multirank, rank_dirs
 
@@ -69,7 +69,9 @@ def runs(tmp_path_factory):
     out = {}
     for par in ("ddp", "fsdp"):
         ref, tgt = tmp / f"{par}-ref", tmp / f"{par}-tgt"
-        _torchrun(tmp, "--out", str(ref), "--parallel", par)
+        # the device's own backend (gloo on CPU), and the same one by name
+        by_name = ("--dist-backend", "gloo") if par == "fsdp" else ()
+        _torchrun(tmp, "--out", str(ref), "--parallel", par, *by_name)
         _torchrun(tmp, "--out", str(tgt), "--parallel", par, "--replay", str(ref), fault=True)
         out[par] = (ref, tgt)
     return out
@@ -145,3 +147,37 @@ def test_shard_batch_splits_dim0_and_refuses_uneven_batches():
     assert shard_batch(b, 1, 2)["x"].tolist() == [[4, 5], [6, 7]] and shard_batch(b, 1, 2)["n"] == 3
     with pytest.raises(DriftcheckError, match="multiple of 3"):
         shard_batch(torch.zeros(4, 2), 0, 3)
+
+
+def test_the_process_group_backend_is_the_devices_own_or_any_registered_one_by_name():
+    import torch.distributed as dist
+
+    assert choose_backend("cpu") == choose_backend("lazy") == choose_backend("cpu", "gloo") == "gloo"
+    if dist.is_nccl_available():
+        assert choose_backend("cuda") == "nccl"
+    else:  # a CPU build: nccl is the default of cuda, and its absence is one line
+        with pytest.raises(DriftcheckError, match="of device 'cuda', nccl, is not available"):
+            choose_backend("cuda")
+    # torch_tpu registers tpu_dist; without it the record stops in one line that says so
+    with pytest.raises(DriftcheckError, match=r"device 'tpu', tpu_dist, is not available.*torch_tpu") as e:
+        choose_backend("tpu")
+    assert "\n" not in str(e.value) and "gloo" in str(e.value)
+    with pytest.raises(DriftcheckError, match="--dist-backend nope is not available"):
+        choose_backend("cpu", "nope")
+    # any backend registered with torch.distributed, by name
+    dist.Backend.register_backend("dctest", lambda *a: None, devices=["cpu"])
+    assert choose_backend("cpu", "dctest") == "dctest"
+
+
+def test_a_backend_that_is_not_registered_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "sc.py").write_text(SCENARIO)
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    for extra, says in ((["--parallel", "ddp", "--dist-backend", "tpu_dist"],
+                         "--dist-backend tpu_dist is not available in this torch"),
+                        (["--dist-backend", "gloo"], "--dist-backend chooses the process group")):
+        proc = subprocess.run([sys.executable, "-m", "driftcheck", "record", str(tmp_path / "sc.py:build"),
+                               "--out", str(tmp_path / "o"), *extra], capture_output=True, text=True,
+                              env=env, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert says in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

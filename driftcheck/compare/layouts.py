@@ -1,0 +1,252 @@
+"""Compare across layouts: a single-process trace against a multi-rank run directory (``OUT/rank-<r>``
+of a torchrun record, DDP or FSDP2), or two multi-rank runs of different rank counts or of DDP
+and FSDP2, judged as one.
+
+Each multi-rank side is rebuilt into one logical trace (a temporary directory), which the
+ordinary ``compare`` then judges. Each entry's logical tensor, from the ranks'
+entries of the same key (docs/trace-format.md, "Layouts"):
+
+- a DTensor shard (meta ``layout``: placements, mesh, coordinate, logical shape; FSDP2's
+  parameters, gradients and optimizer state): the shards joined along the sharded dim in mesh
+  order (``S<d>``), rank 0's (``R``), or their sum (``P``);
+- forward activations and the backward's gradients of a data-parallel rank (its slice of the
+  global batch: record/ranks.py ``shard_batch``, contiguous parts in rank order): joined along dim
+  0 where that gives the logical shape (``logical_shapes``: the single trace's; of two multi-rank
+  sides, what their slices say); a tensor of the logical shape is the same on every rank
+  (forward: rank 0's; backward: the mean). A backward gradient is divided by the
+  world size: each rank's loss is the mean over its part of the batch, the global loss the mean
+  of the ranks' (DDP's averaging of gradients makes the same assumption);
+- the loss: the mean over the ranks;
+- DDP's ``grads`` (each rank's gradient before the all-reduce): the mean over the ranks;
+- parameters, buffers and optimizer state of DDP (replicated): rank 0's; a rank that differs is a
+  warning.
+
+Same layouts (both sides multi-rank with the same ranks and the same ``parallel``) keep
+compare/ranks.py's rank-by-rank path.
+Full-mode traces only: stats mode keeps a sample, from which no logical tensor can be rebuilt.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.numerics import stats as tstats
+from driftcheck.store.layout import rank_dirs
+from driftcheck.store.reader import TraceReader
+from driftcheck.store.writer import TraceWriter
+
+_RMS_META = ("mag_rms", "norm_gain")  # rms over the elements or groups of a batch slice
+_MAX_META = ("norm_gain_max", "logit_absmax")
+_SUM_META = ("kink_profile", "decision_profile", "round_profile", "host_decisions")
+
+
+def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: Any) -> Any:
+    """Compare two traces of different layouts (a single trace and a multi-rank run directory,
+    two multi-rank runs of different rank counts or of DDP and FSDP2): each multi-rank side
+    rebuilt into one logical trace, then ``compare``. The report's run metadata of such a side
+    says ``world_size`` and ``layout: "logical"``; warnings of the rebuilding come first."""
+    from driftcheck.compare import compare
+
+    if kwargs.get("truth") is not None:
+        raise DriftcheckError("--truth across layouts (a single trace against a multi-rank run, "
+                              "or runs of different ranks) is not supported; compare without --truth")
+    kwargs.pop("truth", None)
+    dirs = [rank_dirs(ref), rank_dirs(target)]
+    firsts = [TraceReader(d[min(d)] if d else side) for d, side in zip(dirs, (ref, target))]
+    for r in firsts:
+        if r.run.get("mode") != "full":
+            raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
+                                  "both sides (record with --mode full)")
+    expect = logical_shapes(*(({e["key"]: e["shape"] for e in r.entries}, len(d) or 1)
+                              for r, d in zip(firsts, dirs)))
+    warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
+                "not hold contiguous parts of one global batch in rank order (as driftcheck record "
+                "--parallel splits it); the logical tensors assume they do"
+                for r, d, side in zip(firsts, dirs, (ref, target))
+                if d and (r.run.get("driver") or not r.run.get("replay_id"))]
+    with tempfile.TemporaryDirectory(prefix="driftcheck-logical-") as tmp:
+        paths = []
+        for name, side, d in (("reference", ref, dirs[0]), ("target", target, dirs[1])):
+            if d:
+                paths.append(Path(tmp) / name)
+                warnings += logical_trace(d, paths[-1], expect)
+            else:
+                paths.append(Path(side))
+        report = compare(str(paths[0]), str(paths[1]), **kwargs)
+    if dirs[0]:
+        report.reference = dict(report.reference, world_size=len(dirs[0]), layout="logical")
+    if dirs[1]:
+        report.target = dict(report.target, world_size=len(dirs[1]), layout="logical")
+    report.warnings = warnings + list(report.warnings)
+    return report
+
+
+def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[int]], int]
+                   ) -> dict[str, list[int]]:
+    """The logical shape of every key both sides have, from each side's (shapes of rank 0 or
+    of the single trace, number of ranks; 1: a single trace): a single trace's shape; else the
+    batch slice joined (dim 0 times the ranks) where the slices of the two sides say so (the
+    same world size: always, the two sides then join alike)."""
+    (sa, na), (sb, nb) = a, b
+    out = {}
+    for k in sa.keys() & sb.keys():
+        x, y = list(sa[k]), list(sb[k])
+        if na == 1 or nb == 1:
+            out[k] = x if na == 1 else y
+        elif not x or not y:
+            out[k] = x
+        elif na == nb and x == y:
+            out[k] = [x[0] * na, *x[1:]]
+        elif x[0] * na == y[0] * nb and x[1:] == y[1:]:
+            out[k] = [x[0] * na, *x[1:]]
+        else:
+            out[k] = x
+    return out
+
+
+def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]]) -> list[str]:
+    """Write the logical trace of the ranks' traces into ``out`` (a new directory);
+    ``expect`` (``logical_shapes``) decides which activations are batch slices. Returns
+    warnings."""
+    readers = [TraceReader(ranks[r]) for r in sorted(ranks)]
+    base = readers[0]
+    for r in readers:
+        if r.run.get("mode") != "full":
+            raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
+                                  "both sides (record with --mode full)")
+    by_key = [{e["key"]: e for e in r.entries} for r in readers]
+    parallel = base.run.get("parallel")
+    warnings: list[str] = []
+    with TraceWriter(out, force=True) as writer:
+        for e in base.entries:
+            if not all(e["key"] in k for k in by_key):
+                raise DriftcheckError(f"{e['key']} is in rank 0's trace but not in every rank's: "
+                                      "the ranks ran different steps or modules")
+            group = [k[e["key"]] for k in by_key]
+            tensors = [r.tensor(g) for r, g in zip(readers, group)]
+            if any(t is None for t in tensors):
+                raise DriftcheckError(f"{e['key']}: a rank's entry holds no tensor; comparing "
+                                      "across layouts needs full-mode traces")
+            t, how = logical_tensor(group, tensors, expect.get(e["key"]), parallel)  # type: ignore[arg-type]
+            if how == "replicated-differs":
+                warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
+            warnings += batch_statistics(e, how, warnings)
+            writer.add(_entry(e, group, t, how), t.contiguous())
+        run = {k: v for k, v in base.run.items() if k != "rank"}
+        extra = {k: v for k, v in base.manifest.items()
+                 if k not in ("format", "version", "run", "shards", "entries", "replay")}
+        writer.close(dict(run, world_size=len(readers), layout="logical"), extra)
+    return warnings
+
+
+def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
+                   expect: list[int] | None, parallel: str | None) -> tuple[torch.Tensor, str]:
+    """The logical tensor of the ranks' ``tensors`` of one entry, and how it was rebuilt
+    (``gathered``, ``batch``, ``mean``, ``replicated``, ``replicated-differs``)."""
+    layout = (entries[0].get("meta") or {}).get("layout")
+    phase, n = entries[0]["phase"], len(tensors)
+    if layout:
+        return _from_placements(entries, tensors), "gathered"
+    if phase == "loss":
+        return _mean(tensors), "mean"
+    if phase == "grads" and parallel == "ddp":
+        return _mean(tensors), "mean"
+    if phase in ("forward", "backward"):
+        shape = list(tensors[0].shape)
+        joined = [shape[0] * n, *shape[1:]] if shape else None
+        if expect is not None and joined == list(expect) and n > 1:
+            t = torch.cat(tensors, dim=0)
+            return (_scaled(t, 1 / n) if phase == "backward" else t), "batch"
+        if expect is not None and shape != list(expect):
+            raise DriftcheckError(f"{entries[0]['key']}: the ranks hold shape {shape}, the single "
+                                  f"trace {list(expect)}: neither its batch slice (dim 0) nor the "
+                                  "whole tensor")
+        if phase == "backward":
+            return _mean(tensors), "mean"
+    same = all(torch.equal(tensors[0], t) for t in tensors[1:])
+    return tensors[0], "replicated" if same else "replicated-differs"
+
+
+def _from_placements(entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> torch.Tensor:
+    layout = entries[0]["meta"]["layout"]
+    key = entries[0]["key"]
+    if len(layout.get("mesh") or []) != 1:
+        raise DriftcheckError(f"{key}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
+                              "1-D meshes (FSDP2) are rebuilt so far")
+    coords = [(e.get("meta") or {}).get("layout", {}).get("coord") for e in entries]
+    order = sorted(range(len(tensors)), key=lambda i: coords[i][0] if coords[i] else i)
+    place = layout["placements"][0]
+    if place.startswith("S"):
+        t = torch.cat([tensors[i] for i in order], dim=int(place[1:]))
+    elif place == "P":
+        t = _sum(tensors)
+    else:
+        t = tensors[order[0]]
+    if list(t.shape) != list(layout["global_shape"]):
+        raise DriftcheckError(f"{key}: its shards join to shape {list(t.shape)}, not the logical "
+                              f"{layout['global_shape']}")
+    return t
+
+
+def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors[0].is_floating_point():
+        return tensors[0]
+    return _scaled(_sum(tensors), 1 / len(tensors))
+
+
+def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors[0].is_floating_point():
+        return tensors[0]
+    return torch.stack([t.double() for t in tensors]).sum(0).to(tensors[0].dtype)
+
+
+def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+    return (t.double() * factor).to(t.dtype) if t.is_floating_point() else t
+
+
+def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how: str
+           ) -> dict[str, Any]:
+    """The logical entry: rank 0's, with the logical tensor's shape and statistics; the meta
+    that summarises a batch slice combined over the slices."""
+    out = {k: v for k, v in e.items() if k not in ("tensor", "sample", "stats", "meta")}
+    out["shape"] = list(t.shape)
+    out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist())
+    meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout")}
+    if e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and len(group) > 1:
+        meta["rank_split"] = len(group)  # a reduction across the ranks (compare/allowances.py)
+    if how == "batch":
+        metas = [g.get("meta") or {} for g in group]
+        for k in meta:
+            vals: list[Any] = [m.get(k) for m in metas]
+            if any(v is None for v in vals):
+                continue
+            if k in _RMS_META and all(isinstance(v, (int, float)) for v in vals):
+                meta[k] = math.sqrt(sum(float(v) ** 2 for v in vals) / len(vals))
+            elif k in _MAX_META and all(isinstance(v, (int, float)) for v in vals):
+                meta[k] = max(vals)
+            elif k in _SUM_META and all(isinstance(v, list) for v in vals):
+                meta[k] = [sum(x) for x in zip(*vals)]
+            elif k in _SUM_META and all(isinstance(v, int) for v in vals):
+                meta[k] = sum(vals)
+    if meta:
+        out["meta"] = meta
+    return out
+
+
+def batch_statistics(e: dict[str, Any], how: str, said: list[str]) -> list[str]:
+    """A BatchNorm in training (not SyncBatchNorm) normalizes each rank's part of the batch by
+    that part's statistics: not one process's numbers, whatever the precision. Once a module."""
+    meta = e.get("meta") or {}
+    if not (how == "batch" and e["phase"] == "forward" and meta.get("kind") == "batchnorm"
+            and meta.get("norm_dims") is not None and meta.get("module_type") != "SyncBatchNorm"):
+        return []
+    text = (f"{e['module']}: a BatchNorm in training normalizes each rank's part of the batch by "
+            "its own statistics (not SyncBatchNorm): its outputs differ from one process's by the "
+            "layout, not by precision")
+    return [] if text in said else [text]
