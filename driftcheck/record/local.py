@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.nested import substitute
+from driftcheck.nested import flatten, substitute
+from driftcheck.record.own import Capture, ChildCall, Children, own_backward
 from driftcheck.store.keys import LOCAL_PREFIX, TraceKey
 
 
@@ -70,6 +71,10 @@ class LocalReplay:
             self._mask_mark[(name, call)] = (self.dropout.index, len(self.dropout.masks))
         self._rng_mark[(name, call)] = rng_state(device)
 
+    def mask_index(self) -> int | None:
+        """Where the dropout mask stream stands now (None without CPU-drawn masks)."""
+        return None if self.dropout is None else self.dropout.index
+
     def replay(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
                kwargs: dict, *, backward: bool,
                owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
@@ -84,8 +89,82 @@ class LocalReplay:
         mark = self._mask_mark.pop((name, call), None)
         rng = self._rng_mark.pop((name, call), None)
         results: list[tuple[str, str, torch.Tensor]] = []
-        missing: list[str] = []
         needs_grad: set[str] = set()  # the inputs whose gradient the real call produced
+        refs = self._ref_inputs(step, name, call, args, kwargs, needs_grad)
+        ref_params = self._ref_params(step, name, module, owner)
+        if refs is None or ref_params is None:
+            return results
+        r_args, r_kwargs = refs
+        leaves: list[tuple[str, torch.Tensor]] = []
+        if backward:
+            r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
+        with self._isolated([(module, ref_params)], mark, rng), torch.set_grad_enabled(backward):
+            out = module(*r_args, **r_kwargs)
+            outs: list[tuple[str, torch.Tensor]] = []
+            substitute(out, "output", lambda s, t: outs.append((s, t)))
+            for slot, t in outs:
+                results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
+            if backward and leaves:
+                results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
+                                                 outs, leaves)
+        return results
+
+    def replay_own(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
+                   kwargs: dict, children: list[ChildCall], *, backward: bool,
+                   owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
+                   ) -> list[Capture]:
+        """Run the composite ``module`` on the reference inputs of this call with each of its
+        ``children`` calls answered from the reference's trace (record/own.py): only its own
+        code computes. (module, call, phase, slot, tensor) captures; none where the reference
+        cannot answer every child call as the real run made it."""
+        mark = self._mask_mark.pop((name, call), None)
+        rng = self._rng_mark.pop((name, call), None)
+        needs_grad: set[str] = set()
+        refs = self._ref_inputs(step, name, call, args, kwargs, needs_grad)
+        covered = {id(m) for c in children for m in c.module.modules()}
+        swaps = []
+        for path, m in module.named_modules(prefix=name):
+            if id(m) in covered:
+                continue
+            params = self._ref_params(step, path, m, owner)
+            if params is None:
+                return []
+            swaps.append((m, params))
+        if refs is None or not swaps:
+            return []
+        r_args, r_kwargs = refs
+        leaves: list[tuple[str, torch.Tensor]] = []
+        if backward:
+            r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
+        anchor = torch.zeros((), requires_grad=True)
+
+        def lookup(phase: str, mod: str, c: int, slot: str) -> torch.Tensor | None:
+            return self.tensor(step, phase, mod, c, slot)
+        answers = Children(lookup, children, anchor, self.dropout)
+        results: list[Capture] = []
+        try:
+            with self._isolated(swaps, mark, rng), torch.set_grad_enabled(backward):
+                answers.install()
+                try:
+                    out = module(*r_args, **r_kwargs)
+                finally:
+                    answers.remove()
+                outs = list(flatten(out, "output"))
+                results += [(name, call, "forward", LOCAL_PREFIX + s, t.detach()) for s, t in outs]
+                grads = own_backward(outs, lambda s: lookup("backward", name, call, s), leaves,
+                                     anchor) if backward else None
+        except Exception:  # Abort, or the parent's code refusing an answer: no local entries
+            return []
+        if grads is not None and answers.backward_ok:
+            results += [(name, call, "backward", LOCAL_PREFIX + s, g) for s, g in grads]
+        return results + [c for c in answers.captures if c[2] == "forward" or answers.backward_ok]
+
+    def _ref_inputs(self, step: int, name: str, call: int, args: tuple, kwargs: dict,
+                    needs_grad: set[str]) -> tuple[tuple, dict] | None:
+        """(args, kwargs) with every tensor replaced by the reference's of this call (cast to
+        the live one's dtype, on its device, in its layout), or None where one is missing.
+        ``needs_grad`` receives the slots of the live inputs that require grad."""
+        missing: list[str] = []
 
         def ref_input(slot: str, t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad and t.is_floating_point():
@@ -103,31 +182,7 @@ class LocalReplay:
 
         r_args = substitute(args, "input", ref_input)
         r_kwargs = substitute(kwargs, "input", ref_input)
-        ref_params = self._ref_params(step, name, module, owner)
-        if missing or ref_params is None:
-            return results
-        leaves: list[tuple[str, torch.Tensor]] = []
-        if backward:
-            # Fresh leaves requiring grad; the module sees a non-leaf copy so in-place modules
-            # (ReLU(inplace=True)) may write into it.
-            def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
-                if slot not in needs_grad:
-                    return t
-                leaf = t.detach().requires_grad_(True)
-                leaves.append((slot, leaf))
-                return leaf.clone()
-            r_args = substitute(r_args, "input", as_leaf)
-            r_kwargs = substitute(r_kwargs, "input", as_leaf)
-        with self._isolated(module, mark, ref_params, rng), torch.set_grad_enabled(backward):
-            out = module(*r_args, **r_kwargs)
-            outs: list[tuple[str, torch.Tensor]] = []
-            substitute(out, "output", lambda s, t: outs.append((s, t)))
-            for slot, t in outs:
-                results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
-            if backward and leaves:
-                results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
-                                                 outs, leaves)
-        return results
+        return None if missing else (r_args, r_kwargs)
 
     def _ref_params(self, step: int, name: str, module: nn.Module,
                     owner: Callable[[torch.Tensor], tuple[str, str] | None]
@@ -168,15 +223,20 @@ class LocalReplay:
                 for (slot, _), g in zip(leaves, grads) if g is not None]
 
     @contextlib.contextmanager
-    def _isolated(self, module: nn.Module, mark: tuple[int, int] | None,
-                  params: dict[str, nn.Parameter], rng: Any = None) -> Iterator[None]:
+    def _isolated(self, swaps: list[tuple[nn.Module, dict[str, nn.Parameter]]],
+                  mark: tuple[int, int] | None, rng: Any = None) -> Iterator[None]:
+        """Each module of ``swaps`` runs with those parameters and copies of its buffers; the
+        dropout stream rewound to ``mark``, the RNG forked and set to ``rng``."""
         # The replay works on copies of the buffers: writing the originals back afterwards would
         # bump their version counters, and BatchNorm saves running stats for its backward.
-        originals = {k: b for k, b in module._buffers.items() if b is not None}
-        for k, b in originals.items():
-            module._buffers[k] = b.detach().clone()
-        own_params = {k: module._parameters[k] for k in params}
-        module._parameters.update(params)
+        undo: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+        for module, params in swaps:
+            originals = {k: b for k, b in module._buffers.items() if b is not None}
+            for k, b in originals.items():
+                module._buffers[k] = b.detach().clone()
+            undo.append((module, originals, {k: module._parameters[k] for k in params}))
+            module._parameters.update(params)
+        module = swaps[0][0]
         dev = next((t.device for t in list(module.parameters()) + list(module.buffers())),
                    torch.device("cpu"))
         drop_state = None
@@ -188,14 +248,29 @@ class LocalReplay:
                 set_rng_state(rng)
                 yield
         finally:
-            module._buffers.update(originals)
-            module._parameters.update(own_params)
+            for module, originals, own_params in undo:
+                module._buffers.update(originals)
+                module._parameters.update(own_params)
             if drop_state is not None:
                 self.dropout.index = drop_state[0]
                 del self.dropout.masks[drop_state[1]:]
 
     def close(self) -> None:
         self.reader.close()
+
+
+def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
+              leaves: list[tuple[str, torch.Tensor]]) -> tuple[tuple, dict]:
+    """Fresh leaves requiring grad for the inputs ``needs_grad`` names (into ``leaves``); the
+    module sees a non-leaf copy so in-place modules (ReLU(inplace=True)) may write into it."""
+    def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
+        if slot not in needs_grad:
+            return t
+        leaf = t.detach().requires_grad_(True)
+        leaves.append((slot, leaf))
+        return leaf.clone()
+    args, kwargs = args_kwargs
+    return substitute(args, "input", as_leaf), substitute(kwargs, "input", as_leaf)
 
 
 def fork_rng(dev: torch.device) -> Any:
