@@ -1,0 +1,83 @@
+"""A composite module's own code (the ops between its children: a SwiGLU's product, a residual
+add, an attention's softmax) has a local error of its own: the module replayed on the
+reference's inputs with each child call answered from the reference's trace (record/own.py).
+A defect of a few percent there is caught, blamed on the parent and drilled to the op; a clean
+bf16 target stays clean."""
+from __future__ import annotations
+
+import pytest
+
+from driftcheck.compare import compare
+from driftcheck.drill import drill
+from driftcheck.loader import load_scenario
+from driftcheck.record.runner import record
+from driftcheck.store import TraceReader
+from driftcheck.targets import opfaults
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("own")
+    for name in ("llama", "vit"):
+        record(load_scenario(name), root / name / "ref", dtype="fp32")
+    return root
+
+
+def _faulty(refs, model, make, dtype="bf16", tag="t"):
+    d = refs / model
+    fault = make() if make else None
+    try:
+        record(load_scenario(model), d / tag, dtype=dtype, replay=d / "ref", local=d / "ref",
+               force=True, target_hooks=fault)
+    finally:
+        if fault is not None:
+            fault.remove()
+    return d / "ref", d / tag, compare(d / "ref", d / tag)
+
+
+def test_clean_bf16_target_has_own_code_entries_and_stays_clean(refs):
+    ref, tgt, rep = _faulty(refs, "llama", None, tag="clean")
+    slots = {(e["module"], e["slot"]) for e in TraceReader(tgt).entries}
+    # the parent's replay: its output, the input its code made for a child, the output
+    # gradient its backward made for a child, its input gradient
+    for want in [("layers.1.mlp", "local.output"), ("layers.1.mlp.down_proj", "local.input.0"),
+                 ("layers.1.mlp.up_proj", "local.grad_output"), ("layers.1.mlp", "local.grad_input.0"),
+                 ("", "local.output")]:
+        assert want in slots, want
+    assert rep.verdict == "pass", rep.decided_by
+    own = [e for e in rep.entries if e.local_ratio is not None and e.slot.startswith(("input", "grad_output"))]
+    assert own and max(e.local_ratio for e in own) < rep.limit / 2
+
+
+@pytest.mark.parametrize("model,make,parent,phase,op", [
+    # the SwiGLU product, 2% off, forward and backward
+    ("llama", lambda: opfaults.scale_op("layers.1.mlp", "mul", 1.02), "layers.1.mlp", "forward", "mul"),
+    ("llama", lambda: opfaults.wrong_backward("layers.1.mlp", op="mul", factor=1.02), "layers.1.mlp",
+     "backward", "mul"),
+    # a residual add of a block, an attention's softmax
+    ("vit", lambda: opfaults.scale_op("blocks.0", "add", 1.02), "blocks.0", "forward", "add"),
+    ("vit", lambda: opfaults.scale_op("blocks.1.attn", "_softmax", 1.02), "blocks.1.attn", None, "_softmax"),
+])
+def test_a_two_percent_defect_in_a_parents_own_code_is_blamed_on_it_and_drilled_to_the_op(
+        refs, model, make, parent, phase, op):
+    ref, tgt, rep = _faulty(refs, model, make)
+    assert rep.verdict == "fail"
+    fd = rep.first_divergence
+    assert fd["blame_module"] == parent, fd
+    assert fd["local_ratio"] > rep.limit and fd["ratio"] < rep.limit  # only the local replay sees it
+    if phase is not None:
+        assert fd["phase"] == phase
+    fault = make()
+    try:
+        res = drill(ref, tgt, report=rep, target_hooks=fault, scenario=lambda: load_scenario(model))
+    finally:
+        fault.remove()
+    assert res.point["module"] == parent
+    rc = res.root_cause
+    assert rc is not None and rc["op"].split(".")[1] == op, [(j.op, j.ratio) for j in res.judged]
+
+
+def test_fp32_finds_a_tenth_of_a_percent_in_a_parents_own_code(refs):
+    _, _, rep = _faulty(refs, "llama", lambda: opfaults.scale_op("layers.0.mlp", "mul", 1.001),
+                        dtype="fp32", tag="fp32")
+    assert rep.verdict == "fail" and rep.first_divergence["blame_module"] == "layers.0.mlp"
