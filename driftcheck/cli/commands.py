@@ -148,7 +148,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
     from driftcheck.record.compilation import settings
 
     compile_ = settings(compile_backend, compile_mode, dynamic, torch_device)
-    if local is None and not no_local and compile_ is None:
+    if local is None and not no_local:
         local = default_local(replay, mode=mode, parallel=parallel, fp8=fp8, start=start)
     scenario = load_scenario(model, seed)
     progress = make_progress(obj)

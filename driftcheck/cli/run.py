@@ -99,8 +99,8 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
                         reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                         steps=steps, seed=seed, every=every, points_every=points_every, force=force,
                         html=html, simulate=simulate, reference_env=ref_env, target_env=tgt_env)
-    if local is None:  # the local replay needs the reference's full tensors, and an eager target
-        local = mode == "full" and not fp8 and not compile_backend
+    if local is None:  # the local replay needs the reference's full tensors
+        local = mode == "full" and not fp8
 
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")

@@ -68,6 +68,15 @@ def wrap(model: nn.Module, compile: dict[str, Any]) -> nn.Module:
     return inline_hooks(cast(nn.Module, torch.compile(model, **kwargs)))  # an OptimizedModule
 
 
+def regional(compile: dict[str, Any]) -> Any:
+    """``fn -> torch.compile(fn)`` as ``compile`` says: one module's code compiled on its own
+    (the local replay of a compiled target, record/local.py)."""
+    kwargs: dict[str, Any] = {"backend": compile["backend"], "dynamic": compile.get("dynamic")}
+    if compile.get("mode"):
+        kwargs["mode"] = compile["mode"]
+    return lambda fn: torch.compile(fn, **kwargs)
+
+
 def inline_hooks(model: nn.Module) -> nn.Module:
     """A model compiled whole with its own hooks traced into its graph, as a torch.nn class's
     are: by default Dynamo calls a user model's hooks outside the frame it compiles, where the

@@ -66,6 +66,7 @@ class ForwardHooks:
 
     def reset(self) -> None:
         self._weight_sq: dict[Any, tuple] = {}  # meta.magnitude_sq's column sums
+        self._compiled_calls: list[tuple] = []  # compiled leaf calls awaiting their local replay
 
     def pre_hook(self, name: str) -> PreHook:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -165,11 +166,23 @@ class ForwardHooks:
             self.tap_grads.contexts[(name, call)] = backward_meta(ctx)
         elif self.capture.wants("backward") and torch.is_grad_enabled():
             self.backward.hook(name, call, outputs, ctx, self.backward.made_by(name, call, outputs))
-        if self.local is not None and self.capture.wants("forward") and not compiled \
+        if self.local is not None and self.capture.wants("forward") and compiled and is_leaf(module):
+            # inside the compiled graph: replayed through its own compiled code after the step
+            self._compiled_calls.append((name, call, module, args, ctx, torch.is_grad_enabled()))
+        elif self.local is not None and self.capture.wants("forward") \
                 and (is_leaf(module) or children is not None):
             with torch._C._EnableTorchFunction():  # the user's module, as it ran
                 self._local_replay(name, call, module, args, kwargs, ctx, children)
         return call
+
+    def replay_compiled(self) -> None:
+        """At the step's end: the local replays of the leaf calls a compiled graph made, each
+        leaf's code compiled on its own with the target's settings (no graph break added to
+        the run: it has run)."""
+        calls, self._compiled_calls = self._compiled_calls, []
+        for name, call, module, args, ctx, grad in calls:
+            with torch.set_grad_enabled(grad), torch._C._EnableTorchFunction():
+                self._local_replay(name, call, module, args, {}, ctx, None, compiled=True)
 
     def _call_meta(self, name: str, module: nn.Module, args: tuple, parent: Any
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
@@ -206,7 +219,8 @@ class ForwardHooks:
         return ctx, dev_meta
 
     def _local_replay(self, name: str, call: int, module: nn.Module, args: tuple, kwargs: dict,
-                      ctx: dict[str, Any], children: list[ChildCall] | None) -> None:
+                      ctx: dict[str, Any], children: list[ChildCall] | None,
+                      compiled: bool = False) -> None:
         """Capture ``local.*`` entries: this leaf module rerun on the reference's inputs, or
         this composite's own code with its ``children`` calls answered from the reference."""
         backward = self.capture.wants("backward") and torch.is_grad_enabled()
@@ -216,7 +230,8 @@ class ForwardHooks:
             with self.capture.quiet():
                 if children is None:
                     results = [(name, call, phase, slot, t) for phase, slot, t in self.local.replay(
-                        step, name, call, module, args, kwargs, backward=backward, owner=self.owner)]
+                        step, name, call, module, args, kwargs, backward=backward, owner=self.owner,
+                        compiled=compiled)]
                 else:
                     results = self.local.replay_own(step, name, call, module, args, kwargs, children,
                                                     backward=backward, owner=self.owner)

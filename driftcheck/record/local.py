@@ -56,6 +56,9 @@ class LocalReplay:
             raise DriftcheckError(f"--local {ref_dir}: the reference holds no full forward/backward "
                                   "tensors (recorded with --mode stats?); record it with --mode full")
         self.replay_id = self.reader.run.get("replay_id")
+        # a compiled target's: fn -> that fn compiled with its settings (runner sets it)
+        self.regional: Callable[[Any], Any] | None = None
+        self._compiled: dict[int, Any] = {}  # id(module) -> its forward, compiled on its own
         self._mask_mark: dict[tuple[str, int], tuple[int, int]] = {}
         self._rng_mark: dict[tuple[str, int], Any] = {}
 
@@ -78,19 +81,35 @@ class LocalReplay:
     def replay(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
                kwargs: dict, *, backward: bool,
                owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
-               ) -> list[tuple[str, str, torch.Tensor]]:
+               compiled: bool = False) -> list[tuple[str, str, torch.Tensor]]:
         """Run ``module`` on the reference inputs of this call: (phase, slot, tensor) captures.
 
         The module runs with the reference's parameters of this step (cast to the target's
         dtype): from step 1 on the target's own parameters carry the drift of earlier steps,
         which the params/optimizer entries judge; the replay measures the module's op alone.
         ``owner(param)`` names the (module, name) a parameter is recorded under (tied weights).
-        Nothing is returned for a call whose reference inputs were not recorded."""
+        Nothing is returned for a call whose reference inputs were not recorded.
+
+        ``compiled``: a call a compiled graph made (its inputs as the graph handed them, without
+        autograd): replayed after the step through the module's forward compiled on its own
+        (``regional``), its inputs' gradients where the reference has them; a call that draws
+        dropout masks is not replayed (its masks were drawn in the graph)."""
         mark = self._mask_mark.pop((name, call), None)
         rng = self._rng_mark.pop((name, call), None)
         results: list[tuple[str, str, torch.Tensor]] = []
         needs_grad: set[str] = set()  # the inputs whose gradient the real call produced
         refs = self._ref_inputs(step, name, call, args, kwargs, needs_grad)
+        run: Callable[..., Any] = module
+        if compiled:
+            if self.regional is None:
+                return results
+            needs_grad |= {s for s, _ in list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+                           if self.tensor(step, "backward", name, call, "grad_" + s) is not None}
+            run = self._compiled.get(id(module)) or self._compiled.setdefault(
+                id(module), self.regional(module.forward))
+            if self.dropout is not None:
+                mark = (self.dropout.index, len(self.dropout.masks))
+        drawn = len(self.dropout.masks) if self.dropout is not None else 0
         ref_params = self._ref_params(step, name, module, owner)
         if refs is None or ref_params is None:
             return results
@@ -99,7 +118,9 @@ class LocalReplay:
         if backward:
             r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
         with self._isolated([(module, ref_params)], mark, rng), torch.set_grad_enabled(backward):
-            out = module(*r_args, **r_kwargs)
+            out = run(*r_args, **r_kwargs)
+            if compiled and self.dropout is not None and len(self.dropout.masks) != drawn:
+                return []
             outs: list[tuple[str, torch.Tensor]] = []
             substitute(out, "output", lambda s, t: outs.append((s, t)))
             for slot, t in outs:

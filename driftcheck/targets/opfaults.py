@@ -244,7 +244,10 @@ def scale_op(module: str | None = None, op: str = "mul", factor: float = 1.02) -
     glue code (a SwiGLU's product ``mul``, a residual ``add``, an attention's ``_softmax``)."""
     def compute(func, args, kwargs):
         out = func(*args, **kwargs)
-        return out * factor if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return out
+        # an in-place op (``out += identity``: add_) returns the tensor it wrote: scale it there
+        return out.mul_(factor) if func.overloadpacket.__name__.endswith("_") else out * factor
     return OpFault("scale_op", (op,), compute, module, op=op, factor=factor)
 
 

@@ -44,7 +44,10 @@ class ScaleUpdate:
             h = opt.register_step_post_hook(self._post)
             # first among the optimizer's post-hooks: the tracer's capture of the updated
             # parameters is one of them
-            opt._optimizer_step_post_hooks.move_to_end(h.id, last=False)
+            hooks = opt._optimizer_step_post_hooks
+            ordered = {h.id: hooks.pop(h.id), **hooks}
+            hooks.clear()
+            hooks.update(ordered)
             self._handles.append(h)
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
