@@ -168,7 +168,7 @@ class ForwardHooks:
             self.backward.hook(name, call, outputs, ctx, self.backward.made_by(name, call, outputs))
         if self.local is not None and self.capture.wants("forward") and compiled and is_leaf(module):
             # inside the compiled graph: replayed through its own compiled code after the step
-            self._compiled_calls.append((name, call, module, args, ctx, torch.is_grad_enabled()))
+            self._compiled_calls.append((name, call, module, args, ctx))
         elif self.local is not None and self.capture.wants("forward") \
                 and (is_leaf(module) or children is not None):
             with torch._C._EnableTorchFunction():  # the user's module, as it ran
@@ -180,8 +180,10 @@ class ForwardHooks:
         leaf's code compiled on its own with the target's settings (no graph break added to
         the run: it has run)."""
         calls, self._compiled_calls = self._compiled_calls, []
-        for name, call, module, args, ctx, grad in calls:
-            with torch.set_grad_enabled(grad), torch._C._EnableTorchFunction():
+        for name, call, module, args, ctx in calls:
+            # a graph's tap runs without autograd: the backward is replayed wherever the
+            # reference holds the call's gradients (record/local.py)
+            with torch.enable_grad(), torch._C._EnableTorchFunction():
                 self._local_replay(name, call, module, args, {}, ctx, None, compiled=True)
 
     def _call_meta(self, name: str, module: nn.Module, args: tuple, parent: Any

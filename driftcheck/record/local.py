@@ -93,7 +93,7 @@ class LocalReplay:
         ``compiled``: a call a compiled graph made (its inputs as the graph handed them, without
         autograd): replayed after the step through the module's forward compiled on its own
         (``regional``), its inputs' gradients where the reference has them; a call that draws
-        dropout masks is not replayed (its masks were drawn in the graph)."""
+        random numbers (a dropout mask) gives nothing (the graph drew its own)."""
         mark = self._mask_mark.pop((name, call), None)
         rng = self._rng_mark.pop((name, call), None)
         results: list[tuple[str, str, torch.Tensor]] = []
@@ -118,9 +118,12 @@ class LocalReplay:
         if backward:
             r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
         with self._isolated([(module, ref_params)], mark, rng), torch.set_grad_enabled(backward):
+            dev = next((p.device for p in ref_params.values()), None)
+            before = rng_state(dev) if compiled else None
             out = run(*r_args, **r_kwargs)
-            if compiled and self.dropout is not None and len(self.dropout.masks) != drawn:
-                return []
+            if compiled and ((self.dropout is not None and len(self.dropout.masks) != drawn)
+                             or drew(before, rng_state(dev))):
+                return []  # it drew random numbers: not those the graph drew
             outs: list[tuple[str, torch.Tensor]] = []
             substitute(out, "output", lambda s, t: outs.append((s, t)))
             for slot, t in outs:
@@ -313,6 +316,14 @@ def rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
         except (AttributeError, RuntimeError, TypeError):  # a backend without RNG state access
             dev_state = None
     return torch.random.get_rng_state(), dev_state
+
+
+def drew(before: Any, after: tuple[torch.Tensor, Any]) -> bool:
+    """Whether the generators moved between two ``rng_state`` readings."""
+    if not torch.equal(before[0], after[0]):
+        return True
+    b, a = before[1], after[1]
+    return b is not None and a is not None and not torch.equal(b[1].cpu(), a[1].cpu())
 
 
 def set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:

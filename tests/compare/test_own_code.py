@@ -81,3 +81,39 @@ def test_fp32_finds_a_tenth_of_a_percent_in_a_parents_own_code(refs):
     _, _, rep = _faulty(refs, "llama", lambda: opfaults.scale_op("layers.0.mlp", "mul", 1.001),
                         dtype="fp32", tag="fp32")
     assert rep.verdict == "fail" and rep.first_divergence["blame_module"] == "layers.0.mlp"
+
+
+# -- compiled targets: each leaf's compiled code replayed on the reference's inputs ----------------
+@pytest.fixture(scope="module")
+def mlp_ref(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    record(load_scenario("mlp"), root / "ref", dtype="fp32")
+    return root
+
+
+def _compiled(root, fault, tag):
+    try:
+        record(load_scenario("mlp"), root / tag, dtype="bf16", replay=root / "ref", local=root / "ref",
+               force=True, target_hooks=fault,
+               compile={"backend": "aot_eager", "mode": None, "dynamic": None})
+    finally:
+        if fault is not None:
+            fault.remove()
+    return compare(root / "ref", root / tag), TraceReader(root / tag)
+
+
+def test_a_defect_inside_a_compiled_graph_gets_a_local_ratio(mlp_ref):
+    from driftcheck.targets import faults
+
+    rep, tr = _compiled(mlp_ref, faults.scale_output("fc2", 1.02), "faulty")
+    assert tr.run["compile"]["graph_breaks"] == 0  # the replay runs after the step, outside it
+    fd = rep.first_divergence
+    assert rep.verdict == "fail" and fd["blame_module"] == "fc2", fd
+    assert fd["local_ratio"] > rep.limit and fd["ratio"] < rep.limit  # the propagated floor misses it
+    clean, tr = _compiled(mlp_ref, None, "clean")
+    assert clean.verdict == "pass", clean.decided_by
+    judged = [e for e in clean.entries if e.local_ratio is not None]
+    assert {e.phase for e in judged} == {"forward", "backward"}
+    # the Dropout leaves drew masks inside the graph: not replayed (no other masks judged)
+    assert not any(e["module"].startswith("drop") and e["slot"].startswith("local.")
+                   for e in tr.entries)
