@@ -82,7 +82,8 @@ def models(obj: Ctx) -> None:
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
                    "in OUT/rank-N (see docs/performance.md).")
 @click.option("--local", "local", type=click.Path(), default=None,
-              help="Also rerun every leaf module on this reference's inputs: compare then separates "
+              help="Also rerun every module on this reference's inputs (a composite's own code with "
+                   "its children's results taken from it): compare then separates "
                    "each module's own error from what it inherits  [default: the --replay trace, "
                    "where it holds full tensors]")
 @click.option("--no-local", is_flag=True, help="No local replay (not even of the --replay trace).")

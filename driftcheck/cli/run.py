@@ -40,7 +40,8 @@ from driftcheck.errors import DriftcheckError
 @click.option("--truth", type=click.Choice(["fp64"]), default=None,
               help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local/--no-local", "local", default=None,
-              help="Rerun every leaf module of the target on the reference's inputs: separates each "
+              help="Rerun every module of the target on the reference's inputs (a composite's own "
+                   "code with its children's results taken from the reference): separates each "
                    "module's own error from what it inherits  [default: on with --mode full]")
 @click.option("--drill/--no-drill", "drill", default=True, show_default=True,
               help="When the verdict fails, drill the first divergence down to the op, its source "
