@@ -83,7 +83,7 @@ def run_case(root: Path, model: str, position: str, dtype: str, fault: Any, back
     # full mode replays locally, as `driftcheck run` does by default
     kw: dict[str, Any] = {"mode": "stats"} if stats else {"local": ref}
     if position == "compiled":
-        kw = {"compile": {"backend": backend, "mode": None, "dynamic": None}}
+        kw["compile"] = {"backend": backend, "mode": None, "dynamic": None}
     try:
         record(load_scenario(model), out, dtype=dtype, replay=ref, force=True, model_id=model,
                target_hooks=fault, **kw)

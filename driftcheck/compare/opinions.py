@@ -22,6 +22,22 @@ def local_floor(fi: fl.FloorInputs) -> fl.Floor:
     return fl.floor(dataclasses.replace(fi, inherited_rms=0.0, inherited_max=0.0))
 
 
+def own_floor(fi: fl.FloorInputs, meta: dict[str, Any]) -> fl.Floor:
+    """The local floor of a replay of a composite's own code (record/own.py): one rounding at
+    the coarsest operand it was given (its inputs and its children's answers are rounded to
+    their dtypes, whatever dtype its code computes in: a router's float32 logits of a bf16
+    stream), or what its ops' rounding measurably moves beyond that (``local_noise``: the same
+    replay with every op's result re-rounded stochastically; a sum of large terms that cancel
+    moves by its terms' size, not its own)."""
+    op_u = meta.get("operand_u") or 0.0
+    f = local_floor(dataclasses.replace(fi, u=op_u)) if op_u > fi.u else local_floor(fi)
+    noise = meta.get("local_noise")
+    if not noise:
+        return f
+    return fl.Floor(rms=max(f.rms, noise[0] - f.rms), max=max(f.max, noise[1] - f.max),
+                    local_rms=max(f.local_rms, noise[0] - f.rms), inherited_rms=0.0)
+
+
 class Opinions:
     """The local replay's and the truth run's judgement of the reference's entries."""
 
@@ -38,7 +54,7 @@ class Opinions:
             return None
         measured = self.measurer.measure(self.measurer.ref, r, self.measurer.tgt, le)
         m = measured.metrics
-        f = local_floor(fi)
+        f = own_floor(fi, le.meta)
         ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
         flips = None
         if ratio > 1.0 and r.phase == "backward" and r.slot_is("grad_input", "grad_output") \

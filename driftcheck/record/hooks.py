@@ -26,7 +26,7 @@ from driftcheck.record.meta import (
     tie_profile,
 )
 from driftcheck.record.norms import norm_gain_sq, norm_layout
-from driftcheck.record.own import ChildCall
+from driftcheck.record.own import Captured, ChildCall
 from driftcheck.record.selection import Selection
 from driftcheck.record.tapping import TapGradients
 from driftcheck.record.watch import WatchLog
@@ -230,8 +230,9 @@ class ForwardHooks:
         self.calls.replaying = True
         try:
             with self.capture.quiet():
+                results: list[Captured]
                 if children is None:
-                    results = [(name, call, phase, slot, t) for phase, slot, t in self.local.replay(
+                    results = [(name, call, phase, slot, t, {}) for phase, slot, t in self.local.replay(
                         step, name, call, module, args, kwargs, backward=backward, owner=self.owner,
                         compiled=compiled)]
                 else:
@@ -241,7 +242,7 @@ class ForwardHooks:
             self.calls.replaying = False
         bctx = backward_meta(ctx)
         order = self.capture.order  # local entries must not shift the order numbers of the real ones
-        for mod, c, phase, slot, t in results:
+        for mod, c, phase, slot, t, meta in results:
             extra = (ctx if phase == "forward" else bctx) if mod == name else {"parent": call_label((name, call))}
-            self.capture(mod, phase, c, slot, t, extra=extra, copy=False)
+            self.capture(mod, phase, c, slot, t, extra=dict(extra, **meta), copy=False)
         self.capture.order = order

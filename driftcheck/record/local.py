@@ -31,8 +31,10 @@ from torch import nn
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
-from driftcheck.record.own import Capture, ChildCall, Children, own_backward
+from driftcheck.numerics.dtypes import unit_roundoff
+from driftcheck.record.own import Captured, ChildCall, Children, own_backward
 from driftcheck.store.keys import LOCAL_PREFIX, TraceKey
+from driftcheck.targets.faults import stochastic_rounding
 
 
 class LocalReplay:
@@ -136,10 +138,10 @@ class LocalReplay:
     def replay_own(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
                    kwargs: dict, children: list[ChildCall], *, backward: bool,
                    owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
-                   ) -> list[Capture]:
+                   ) -> list[Captured]:
         """Run the composite ``module`` on the reference inputs of this call with each of its
         ``children`` calls answered from the reference's trace (record/own.py): only its own
-        code computes. (module, call, phase, slot, tensor) captures; none where the reference
+        code computes. (module, call, phase, slot, tensor, meta) captures; none where the reference
         cannot answer every child call as the real run made it."""
         mark = self._mask_mark.pop((name, call), None)
         rng = self._rng_mark.pop((name, call), None)
@@ -156,32 +158,70 @@ class LocalReplay:
             swaps.append((m, params))
         if refs is None or not swaps:
             return []
-        r_args, r_kwargs = refs
+        # the coarsest operand the parent's code gets: its inputs and its children's answers
+        # are rounded to their live dtypes, whatever dtype its own code computes in
+        operand_u = max([unit_roundoff(t.dtype) for _, t in list(flatten(args, "input"))
+                         + list(flatten(kwargs, "input")) + [x for c in children
+                                                             for x in flatten(c.output, "output")]
+                         if t.is_floating_point()], default=0.0)
+
+        def one_pass(noise: bool) -> dict[tuple, torch.Tensor] | None:
+            for c in children:
+                c.done = False
+            fresh = substitute(refs, "input", lambda _s, t: t.clone())
+            return self._own_pass(step, name, call, module, fresh, children, swaps, mark, rng,
+                                  needs_grad if backward else None, noise)
+        results = one_pass(False)
+        if not results:
+            return []
+        # The same code once more with every op's result re-rounded stochastically: how much
+        # its ops' rounding moves each result (a sum that cancels moves it by its terms' size)
+        noisy = one_pass(True) or {}
+        out: list[Captured] = []
+        for key, t in results.items():
+            meta: dict[str, Any] = {"operand_u": operand_u}
+            n = noisy.get(key)
+            if n is not None and n.shape == t.shape:
+                d = (n.double() - t.double()).abs()
+                meta["local_noise"] = [float(d.pow(2).mean().sqrt()) if d.numel() else 0.0,
+                                       float(d.max()) if d.numel() else 0.0]
+            out.append((*key, t, meta))
+        return out
+
+    def _own_pass(self, step: int, name: str, call: int, module: nn.Module, refs: tuple,
+                  children: list[ChildCall], swaps: list, mark: Any, rng: Any,
+                  needs_grad: set[str] | None, noise: bool) -> dict[tuple, torch.Tensor] | None:
+        """One replay of a composite's own code: {(module, call, phase, slot): tensor}, or
+        None where it could not run as the real call did. ``needs_grad``: the inputs to take
+        gradients of (None: no backward); ``noise``: under stochastic rounding."""
         leaves: list[tuple[str, torch.Tensor]] = []
-        if backward:
+        r_args, r_kwargs = refs
+        if needs_grad is not None:
             r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
         anchor = torch.zeros((), requires_grad=True)
 
         def lookup(phase: str, mod: str, c: int, slot: str) -> torch.Tensor | None:
             return self.tensor(step, phase, mod, c, slot)
         answers = Children(lookup, children, anchor, self.dropout)
-        results: list[Capture] = []
+        results: dict[tuple, torch.Tensor] = {}
+        mode: Any = stochastic_rounding(step) if noise else contextlib.nullcontext()
         try:
-            with self._isolated(swaps, mark, rng), torch.set_grad_enabled(backward):
+            with self._isolated(swaps, mark, rng), torch.set_grad_enabled(needs_grad is not None), mode:
                 answers.install()
                 try:
                     out = module(*r_args, **r_kwargs)
                 finally:
                     answers.remove()
                 outs = list(flatten(out, "output"))
-                results += [(name, call, "forward", LOCAL_PREFIX + s, t.detach()) for s, t in outs]
+                results.update({(name, call, "forward", LOCAL_PREFIX + s): t.detach() for s, t in outs})
                 grads = own_backward(outs, lambda s: lookup("backward", name, call, s), leaves,
-                                     anchor) if backward else None
+                                     anchor) if needs_grad is not None else None
         except Exception:  # Abort, or the parent's code refusing an answer: no local entries
-            return []
+            return None
         if grads is not None and answers.backward_ok:
-            results += [(name, call, "backward", LOCAL_PREFIX + s, g) for s, g in grads]
-        return results + [c for c in answers.captures if c[2] == "forward" or answers.backward_ok]
+            results.update({(name, call, "backward", LOCAL_PREFIX + s): g for s, g in grads})
+        results.update({c[:4]: c[4] for c in answers.captures if c[2] == "forward" or answers.backward_ok})
+        return results
 
     def _ref_inputs(self, step: int, name: str, call: int, args: tuple, kwargs: dict,
                     needs_grad: set[str]) -> tuple[tuple, dict] | None:

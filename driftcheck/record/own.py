@@ -26,6 +26,8 @@ from driftcheck.nested import flatten, substitute
 from driftcheck.store.keys import LOCAL_PREFIX
 
 Capture = tuple[str, int, str, str, torch.Tensor]  # (module, call, phase, slot, tensor)
+# with the meta of the entry: operand_u (the coarsest operand's unit roundoff), local_noise
+Captured = tuple[str, int, str, str, torch.Tensor, dict]
 
 
 @dataclasses.dataclass
