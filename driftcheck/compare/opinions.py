@@ -31,8 +31,9 @@ def own_floor(fi: fl.FloorInputs, meta: dict[str, Any]) -> fl.Floor:
     moves by its terms' size, not its own)."""
     op_u = meta.get("operand_u") or 0.0
     f = local_floor(dataclasses.replace(fi, u=op_u)) if op_u > fi.u else local_floor(fi)
-    noise = meta.get("local_noise")
-    if not noise:
+    noise = [x if isinstance(x, float) and math.isfinite(x) else 0.0
+             for x in meta.get("local_noise") or ()]
+    if len(noise) != 2:
         return f
     return fl.Floor(rms=max(f.rms, noise[0] - f.rms), max=max(f.max, noise[1] - f.max),
                     local_rms=max(f.local_rms, noise[0] - f.rms), inherited_rms=0.0)

@@ -182,7 +182,8 @@ class LocalReplay:
             meta: dict[str, Any] = {"operand_u": operand_u}
             n = noisy.get(key)
             if n is not None and n.shape == t.shape:
-                d = (n.double() - t.double()).abs()
+                a, b = n.double(), t.double()
+                d = torch.where(a.isfinite() & b.isfinite(), a - b, 0.0).abs()  # -inf masks: 0
                 meta["local_noise"] = [float(d.pow(2).mean().sqrt()) if d.numel() else 0.0,
                                        float(d.max()) if d.numel() else 0.0]
             out.append((*key, t, meta))
