@@ -6,7 +6,10 @@ bf16 target stays clean."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
+from driftcheck import Scenario
 from driftcheck.compare import compare
 from driftcheck.drill import drill
 from driftcheck.loader import load_scenario
@@ -117,3 +120,62 @@ def test_a_defect_inside_a_compiled_graph_gets_a_local_ratio(mlp_ref):
     # the Dropout leaves drew masks inside the graph: not replayed (no other masks judged)
     assert not any(e["module"].startswith("drop") and e["slot"].startswith("local.")
                    for e in tr.entries)
+
+
+# -- the floor of a composite's own code: what its operands and its ops' rounding explain ---------
+class _StraightThrough(nn.Module):
+    """A VQ-style quantizer: its own code adds large terms that cancel, z + (q - z).detach()."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(16, 16)
+        self.code = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        z = self.enc(x) * 8.0  # large
+        q = self.code(x)  # small
+        return self.head(z + (q - z).detach())
+
+
+class _Router(nn.Module):
+    """A router computing in float32 from a bf16 stream, as Switch Transformers' does."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.classifier = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x).float()
+        self.classifier.float()
+        return self.classifier(h * 1.0)
+
+
+def _scen(make):
+    torch.manual_seed(0)
+    model = make()
+    g = torch.Generator().manual_seed(1)
+    inputs = [{"x": torch.randn(8, 16, generator=g)} for _ in range(2)]
+    return Scenario(model=model, inputs=inputs, loss=lambda out, b: out.float().pow(2).mean(),
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), steps=2)
+
+
+@pytest.mark.parametrize("make", [_StraightThrough, _Router])
+def test_clean_bf16_own_code_of_cancelling_sums_and_float32_islands_stays_clean(tmp_path, make):
+    record(_scen(make), tmp_path / "ref", dtype="fp32")
+    record(_scen(make), tmp_path / "t", dtype="bf16", replay=tmp_path / "ref", local=tmp_path / "ref")
+    rep = compare(tmp_path / "ref", tmp_path / "t")
+    own = [e for e in rep.entries if e.local_ratio is not None and e.slot.startswith("input")]
+    assert own, "the composite's own code was replayed"
+    assert rep.verdict == "pass", rep.decided_by
+    # and a 2% defect there is still caught and blamed on the composite
+    fault = opfaults.scale_op("", "mul", 1.02)
+    try:
+        record(_scen(make), tmp_path / "f", dtype="bf16", replay=tmp_path / "ref",
+               local=tmp_path / "ref", target_hooks=fault)
+    finally:
+        fault.remove()
+    if make is _Router:  # h * 1.0 in float32: 2% of it
+        rep = compare(tmp_path / "ref", tmp_path / "f")
+        assert rep.verdict == "fail" and rep.first_divergence["blame_module"] == "", rep.first_divergence
