@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.index import Call, DependencyIndex
 from driftcheck.compare.kinks import Kinks
 from driftcheck.compare.measure import Measurer
 from driftcheck.gate.report import DRIFT, NONFINITE, OK
@@ -43,15 +44,24 @@ class Opinions:
     """The local replay's and the truth run's judgement of the reference's entries."""
 
     def __init__(self, measurer: Measurer, kinks: Kinks, local_map: dict[TraceKey, TraceEntry],
-                 truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None) -> None:
+                 truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None,
+                 index: DependencyIndex | None = None) -> None:
         self.measurer, self.kinks = measurer, kinks
         self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
+        self.index = index
 
     def local(self, r: TraceEntry, fi: fl.FloorInputs, limit: float) -> dict[str, Any] | None:
         """The error this module adds itself: the target's replay of it on the reference's
         inputs (``local.*``) against the reference's output, over the local-only floor."""
         le = self.local_map.get(r.align)
         if le is None or list(le.shape) != list(r.shape) or not dtypes.is_float(le.dtype):
+            return None
+        if "operand_u" in le.meta and r.phase == "backward" and r.slot_is("grad_output") \
+                and self.index is not None and any(
+                    g.order < r.order for g in self.index.child_gins(Call(r.step, r.module, r.call))):
+            # An output the child's own later children consumed too (IntermediateLayerGetter's
+            # features feed its next stages): its recorded gradient holds their share, which
+            # a replay of the parent's code, the child answered from the trace, does not make.
             return None
         measured = self.measurer.measure(self.measurer.ref, r, self.measurer.tgt, le)
         m = measured.metrics
