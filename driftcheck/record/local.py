@@ -34,7 +34,7 @@ from driftcheck.nested import flatten, substitute
 from driftcheck.numerics.dtypes import unit_roundoff
 from driftcheck.record.own import Captured, ChildCall, Children, own_backward
 from driftcheck.store.keys import LOCAL_PREFIX, TraceKey
-from driftcheck.targets.faults import stochastic_rounding
+from driftcheck.targets.faults import rerounded, stochastic_rounding
 
 
 class LocalReplay:
@@ -203,11 +203,17 @@ class LocalReplay:
 
         def lookup(phase: str, mod: str, c: int, slot: str) -> torch.Tensor | None:
             return self.tensor(step, phase, mod, c, slot)
-        answers = Children(lookup, children, anchor, self.dropout)
-        results: dict[tuple, torch.Tensor] = {}
         mode: Any = stochastic_rounding(step) if noise else contextlib.nullcontext()
+        # the noisy pass re-rounds its operands too (the inputs, each child's answers, the
+        # output gradients): their rounding, amplified where the code cancels, is noise as well
+        operand = (lambda t: rerounded(mode, t)) if noise else None
+        answers = Children(lookup, children, anchor, self.dropout, operand)
+        results: dict[tuple, torch.Tensor] = {}
         try:
             with self._isolated(swaps, mark, rng), torch.set_grad_enabled(needs_grad is not None), mode:
+                if operand is not None:
+                    r_args, r_kwargs = substitute((r_args, r_kwargs), "input",
+                                                  lambda _s, t: operand(t) if t.is_floating_point() else t)
                 answers.install()
                 try:
                     out = module(*r_args, **r_kwargs)
@@ -216,7 +222,7 @@ class LocalReplay:
                 outs = list(flatten(out, "output"))
                 results.update({(name, call, "forward", LOCAL_PREFIX + s): t.detach() for s, t in outs})
                 grads = own_backward(outs, lambda s: lookup("backward", name, call, s), leaves,
-                                     anchor) if needs_grad is not None else None
+                                     anchor, operand) if needs_grad is not None else None
         except Exception:  # Abort, or the parent's code refusing an answer: no local entries
             return None
         if grads is not None and answers.backward_ok:

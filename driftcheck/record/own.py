@@ -57,8 +57,9 @@ class Children:
     """
 
     def __init__(self, lookup: Any, calls: list[ChildCall], anchor: torch.Tensor,
-                 dropout: Any) -> None:
+                 dropout: Any, operand: Any = None) -> None:
         self.lookup, self.anchor, self.dropout = lookup, anchor, dropout
+        self.operand = operand or (lambda t: t)  # what each answer goes through once cast
         self.queues: dict[int, list[ChildCall]] = {}
         for c in calls:
             self.queues.setdefault(id(c.module), []).append(c)
@@ -107,7 +108,8 @@ class Children:
                 if t.is_floating_point():
                     raise Abort(f"{c.name}#{c.call} {slot}: not in the reference")
                 continue
-            ref[slot] = r.to(device=t.device, dtype=t.dtype)
+            ref[slot] = self.operand(r.to(device=t.device, dtype=t.dtype)) if t.is_floating_point() \
+                else r.to(device=t.device, dtype=t.dtype)
         if self.dropout is not None and c.mask_end is not None:
             self.dropout.index = c.mask_end  # the masks the real child call drew
         float_slots = [s for s, t in outs if s in ref and t.is_floating_point()]
@@ -135,7 +137,7 @@ class Children:
                 self.backward_ok = False  # the parent's input gradient would miss a term
                 out.append(torch.zeros_like(t))
             else:
-                out.append(r.to(device=t.device, dtype=t.dtype))
+                out.append(self.operand(r.to(device=t.device, dtype=t.dtype)))
         return out
 
 
@@ -161,14 +163,16 @@ class Recorded(torch.autograd.Function):
 
 
 def own_backward(outs: list[tuple[str, torch.Tensor]], ref_grad: Any, leaves: list[tuple[str, torch.Tensor]],
-                 anchor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+                 anchor: torch.Tensor, operand: Any = None) -> list[tuple[str, torch.Tensor]] | None:
     """The parent replay's input gradients from the reference's output gradients
-    (``ref_grad(slot)``): (grad_input slot, gradient); None where no output has one."""
+    (``ref_grad(slot)``, each cast gone through ``operand``): (grad_input slot, gradient); None
+    where no output has one."""
     pairs = []
     for slot, t in outs:
         g = ref_grad("grad_" + slot)
         if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
             g = g.to(device=t.device, dtype=t.dtype)
+            g = operand(g) if operand is not None else g
             pairs.append((t, g))
             t.register_hook(lambda _total, g=g: g)  # the recorded total, as record/local.py
     if not pairs:

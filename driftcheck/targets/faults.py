@@ -357,6 +357,17 @@ def _tensors(obj: Any, kwargs: dict | None) -> list[torch.Tensor]:
     return [t for _, t in flatten((obj, kwargs or {}), "x")]
 
 
+def rerounded(mode: TorchDispatchMode, t: torch.Tensor) -> torch.Tensor:
+    """``t`` re-rounded as ``mode`` (a ``stochastic_rounding()``) re-rounds an op's result,
+    outside every dispatch mode (no op fault below sees it); autograd passes through."""
+    with _disable_current_modes():
+        with torch.no_grad():
+            r = t.detach().clone()
+            if isinstance(mode, _StochasticRounding) and r.dtype in _REROUNDED and r.numel():
+                mode._reround(r)
+        return t + (r - t.detach())
+
+
 def stochastic_rounding(seed: int = 0) -> TorchDispatchMode:
     """A dispatch mode (use as ``with``) that re-rounds the output of every arithmetic op in
     bf16/fp16/fp32 stochastically (one ULP up or down, or kept): legitimate noise, a
