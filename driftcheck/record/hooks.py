@@ -15,6 +15,7 @@ from driftcheck.record.audits import NormAudit
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.calls import Calls, call_label
 from driftcheck.record.capture import Capture
+from driftcheck.record.compilation import unaccounted
 from driftcheck.record.meta import (
     backward_meta,
     call_k,
@@ -180,10 +181,13 @@ class ForwardHooks:
         leaf's code compiled on its own with the target's settings (no graph break added to
         the run: it has run)."""
         calls, self._compiled_calls = self._compiled_calls, []
-        for name, call, module, args, ctx in calls:
-            # a graph's tap runs without autograd: the backward is replayed wherever the
-            # reference holds the call's gradients (record/local.py)
-            with torch.enable_grad(), torch._C._EnableTorchFunction():
+        if not calls:
+            return
+        # the replay's compiles are not the run's (its breaks, its frames); a graph's tap runs
+        # without autograd: the backward is replayed wherever the reference holds the call's
+        # gradients (record/local.py)
+        with unaccounted(), torch.enable_grad(), torch._C._EnableTorchFunction():
+            for name, call, module, args, ctx in calls:
                 self._local_replay(name, call, module, args, {}, ctx, None, compiled=True)
 
     def _call_meta(self, name: str, module: nn.Module, args: tuple, parent: Any

@@ -122,7 +122,14 @@ class LocalReplay:
         with self._isolated([(module, ref_params)], mark, rng), torch.set_grad_enabled(backward):
             dev = next((p.device for p in ref_params.values()), None)
             before = rng_state(dev) if compiled else None
-            out = run(*r_args, **r_kwargs)
+            try:
+                out = run(*r_args, **r_kwargs)
+            except Exception:
+                if not compiled:
+                    raise
+                # a graph's tap hands positional tensors only: a call that took keywords (a
+                # rotary embedding's position_ids) cannot be rebuilt, and gets no local entries
+                return []
             if compiled and ((self.dropout is not None and len(self.dropout.masks) != drawn)
                              or drew(before, rng_state(dev))):
                 return []  # it drew random numbers: not those the graph drew
