@@ -88,7 +88,8 @@ def models(obj: Ctx) -> None:
                    "torch.distributed  [default: the device's own: nccl for cuda, tpu_dist for "
                    "tpu, gloo for cpu and lazy]")
 @click.option("--local", "local", type=click.Path(), default=None,
-              help="Also rerun every leaf module on this reference's inputs: compare then separates "
+              help="Also rerun every module on this reference's inputs (a composite's own code with "
+                   "its children's results taken from it): compare then separates "
                    "each module's own error from what it inherits  [default: the --replay trace, "
                    "where it holds full tensors]")
 @click.option("--no-local", is_flag=True, help="No local replay (not even of the --replay trace).")
@@ -161,7 +162,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
     compile_ = settings(compile_backend, compile_mode, dynamic, torch_device)
     scenario = load_scenario(model, seed)
     wait_for_turn()  # driftcheck run starts a replaying side while its reference still records
-    if local is None and not no_local and compile_ is None:
+    if local is None and not no_local:
         local = default_local(replay, mode=mode, parallel=parallel, fp8=fp8, start=start)
     progress = make_progress(obj)
     lines = os.environ.get(PROGRESS_VAR) == "lines"  # driftcheck run reads them from our stderr

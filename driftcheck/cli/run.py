@@ -43,7 +43,8 @@ from driftcheck.store.remote import is_url
 @click.option("--truth", type=click.Choice(["fp64"]), default=None,
               help="Also record a float64 truth on CPU from the same replay  [default: none]")
 @click.option("--local/--no-local", "local", default=None,
-              help="Rerun every leaf module of the target on the reference's inputs: separates each "
+              help="Rerun every module of the target on the reference's inputs (a composite's own "
+                   "code with its children's results taken from the reference): separates each "
                    "module's own error from what it inherits  [default: on with --mode full]")
 @click.option("--drill/--no-drill", "drill", default=True, show_default=True,
               help="When the verdict fails, drill the first divergence down to the op, its source "
@@ -106,8 +107,8 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
                         reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                         steps=steps, seed=seed, every=every, points_every=points_every, force=force,
                         html=html, simulate=simulate, reference_env=ref_env, target_env=tgt_env)
-    if local is None:  # the local replay needs the reference's full tensors, and an eager target
-        local = mode == "full" and not fp8 and not compile_backend
+    if local is None:  # the local replay needs the reference's full tensors
+        local = mode == "full" and not fp8
 
     if limit is not None and not limit > 0:
         raise DriftcheckError(f"--limit must be positive, got {limit}")

@@ -101,7 +101,8 @@ class Comparison:
                      magnitudes=magnitudes, norms=norms, kinks=kinks, decisions=decisions, scales=scales,
                      inheritance=Inheritance(index, norms),
                      allowances=Allowances(index, ledger, scales, magnitudes, decisions),
-                     opinions=Opinions(self.measurer, kinks, alignment.local_map, alignment.truth_map, self.truth),
+                     opinions=Opinions(self.measurer, kinks, alignment.local_map, alignment.truth_map, self.truth,
+                                       index=alignment.index),
                      whole=self.whole)
 
     def judge_all(self, judge: Judge, alignment: Alignment) -> list[Entry]:

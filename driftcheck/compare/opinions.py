@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.index import Call, DependencyIndex
 from driftcheck.compare.kinks import Kinks
 from driftcheck.compare.measure import Measurer
 from driftcheck.gate.report import DRIFT, NONFINITE, OK
@@ -22,13 +23,32 @@ def local_floor(fi: fl.FloorInputs) -> fl.Floor:
     return fl.floor(dataclasses.replace(fi, inherited_rms=0.0, inherited_max=0.0))
 
 
+def own_floor(fi: fl.FloorInputs, meta: dict[str, Any]) -> fl.Floor:
+    """The local floor of a replay of a composite's own code (record/own.py): one rounding at
+    the coarsest operand it was given (its inputs and its children's answers are rounded to
+    their dtypes, whatever dtype its code computes in: a router's float32 logits of a bf16
+    stream), or what its ops' rounding measurably moves beyond that (``local_noise``: the same
+    replay with every op's result re-rounded stochastically; a sum of large terms that cancel
+    moves by its terms' size, not its own)."""
+    op_u = meta.get("operand_u") or 0.0
+    f = local_floor(dataclasses.replace(fi, u=op_u)) if op_u > fi.u else local_floor(fi)
+    noise = [x if isinstance(x, float) and math.isfinite(x) else 0.0
+             for x in meta.get("local_noise") or ()]
+    if len(noise) != 2:
+        return f
+    return fl.Floor(rms=max(f.rms, noise[0] - f.rms), max=max(f.max, noise[1] - f.max),
+                    local_rms=max(f.local_rms, noise[0] - f.rms), inherited_rms=0.0)
+
+
 class Opinions:
     """The local replay's and the truth run's judgement of the reference's entries."""
 
     def __init__(self, measurer: Measurer, kinks: Kinks, local_map: dict[TraceKey, TraceEntry],
-                 truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None) -> None:
+                 truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None,
+                 index: DependencyIndex | None = None) -> None:
         self.measurer, self.kinks = measurer, kinks
         self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
+        self.index = index
 
     def local(self, r: TraceEntry, fi: fl.FloorInputs, limit: float) -> dict[str, Any] | None:
         """The error this module adds itself: the target's replay of it on the reference's
@@ -36,9 +56,16 @@ class Opinions:
         le = self.local_map.get(r.align)
         if le is None or list(le.shape) != list(r.shape) or not dtypes.is_float(le.dtype):
             return None
+        if "operand_u" in le.meta and r.phase == "backward" and r.slot_is("grad_output") \
+                and self.index is not None and any(
+                    g.order < r.order for g in self.index.child_gins(Call(r.step, r.module, r.call))):
+            # An output the child's own later children consumed too (IntermediateLayerGetter's
+            # features feed its next stages): its recorded gradient holds their share, which
+            # a replay of the parent's code, the child answered from the trace, does not make.
+            return None
         measured = self.measurer.measure(self.measurer.ref, r, self.measurer.tgt, le)
         m = measured.metrics
-        f = local_floor(fi)
+        f = own_floor(fi, le.meta)
         ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
         flips = None
         if ratio > 1.0 and r.phase == "backward" and r.slot_is("grad_input", "grad_output") \

@@ -76,7 +76,8 @@ class Verdict:
         if first.local_ratio is not None:
             fd["local_ratio"] = first.local_ratio
         fd["blame_module"] = self.blame_module(first)
-        if fd["blame_module"] != first.module and first.phase == "backward":
+        if fd["blame_module"] != first.module and first.phase == "backward" \
+                and not slot_is(first.slot, "grad_output"):
             fd["where"] = (f"in the backward of {fd['blame_module']}, which made this tensor "
                            f"that {first.module or 'the model'} returns (a cache)")
         return fd
@@ -87,6 +88,11 @@ class Verdict:
         r = self.index.by_align.get(TraceKey(e.step, e.phase, e.module, e.call, e.slot))
         parent = self.index.parent_of(r) if r is not None else None
         if e.phase == "forward" and slot_is(e.slot, "input") and parent is not None:
+            return parent.module
+        if e.phase == "backward" and slot_is(e.slot, "grad_output") and parent is not None \
+                and not _blamed_elsewhere(e):
+            # an output gradient over the limit where the parent's own code was replayed on
+            # the reference's (record/own.py): the parent's backward made it
             return parent.module
         if r is not None and self.index.made_inside(r):
             return call_of(r.step, r.meta["made_by"]).module  # the call that made the cache tensor
@@ -179,6 +185,12 @@ def _decisive(e: Entry) -> str:
                 f"{_fmt_ratio(e.ratio)} is within it)")
     source = "truth run" if e.decided_by == "truth" else "propagated"
     return f"{where}: ratio {_fmt_ratio(e.ratio)} > limit {e.limit:g} ({e.rule}, {source})"
+
+
+def _blamed_elsewhere(e: Entry) -> bool:
+    """Whether no local replay of the entry's maker (a composite's own code) objects to it."""
+    local = (e.details or {}).get("local")
+    return local is None or local["status"] == OK
 
 
 def _blamed(e: Entry) -> bool:

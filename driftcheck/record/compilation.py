@@ -7,9 +7,11 @@ What is captured inside the graph is record/taps.py's.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -66,6 +68,15 @@ def wrap(model: nn.Module, compile: dict[str, Any]) -> nn.Module:
     if compile.get("mode"):
         kwargs["mode"] = compile["mode"]
     return inline_hooks(cast(nn.Module, torch.compile(model, **kwargs)))  # an OptimizedModule
+
+
+def regional(compile: dict[str, Any]) -> Any:
+    """``fn -> torch.compile(fn)`` as ``compile`` says: one module's code compiled on its own
+    (the local replay of a compiled target, record/local.py)."""
+    kwargs: dict[str, Any] = {"backend": compile["backend"], "dynamic": compile.get("dynamic")}
+    if compile.get("mode"):
+        kwargs["mode"] = compile["mode"]
+    return lambda fn: torch.compile(fn, **kwargs)
 
 
 def inline_hooks(model: nn.Module) -> nn.Module:
@@ -132,6 +143,30 @@ def _live_instance_dicts() -> Any:
     return undo
 
 
+_REPLAY_FRAMES: set[int] = set()  # Dynamo's metrics of frames the local replay compiled
+
+
+@contextlib.contextmanager
+def unaccounted() -> Iterator[None]:
+    """Dynamo's work inside the block is not the run's (the local replay compiling a module on
+    its own, after the step): its counters are restored, its break log not collected, its
+    frames left out of ``Account.result``."""
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    saved = {k: dict(counters[k]) for k in ("graph_break", "stats")}
+    n = len(get_compilation_metrics())
+    log = logging.getLogger(_BREAK_LOG)
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
+        for k, v in saved.items():
+            counters[k].clear()
+            counters[k].update(v)
+        _REPLAY_FRAMES.update(id(m) for m in get_compilation_metrics()[n:])
+
+
 class Account:
     """Dynamo's counters over one record: ``start()`` before the first step, ``result()``
     after the last (the counters are process-wide; the difference is this run's)."""
@@ -180,7 +215,7 @@ class Account:
 
         breaks = {k: v - self._breaks.get(k, 0) for k, v in counters["graph_break"].items()
                   if v - self._breaks.get(k, 0) > 0}
-        frames = get_compilation_metrics()[self._metrics:]
+        frames = [m for m in get_compilation_metrics()[self._metrics:] if id(m) not in _REPLAY_FRAMES]
         recompiles = [m for m in frames if getattr(m, "recompile_reason", None)]
         counts = {"graphs": int(counters["stats"].get("unique_graphs", 0)) - self._graphs,
                   "frames": len(frames), "graph_breaks": sum(breaks.values()),

@@ -15,6 +15,7 @@ from driftcheck.record.audits import NormAudit
 from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.calls import Calls, call_label
 from driftcheck.record.capture import Capture
+from driftcheck.record.compilation import unaccounted
 from driftcheck.record.meta import (
     backward_meta,
     call_k,
@@ -26,6 +27,7 @@ from driftcheck.record.meta import (
     tie_profile,
 )
 from driftcheck.record.norms import norm_gain_sq, norm_layout
+from driftcheck.record.own import Captured, ChildCall
 from driftcheck.record.selection import Selection
 from driftcheck.record.tapping import TapGradients
 from driftcheck.record.watch import WatchLog
@@ -59,10 +61,13 @@ class ForwardHooks:
         self.owner = owner
         self._static: dict[str, dict[str, Any]] = {}  # module path -> static_meta
         self._kinks: dict[str, Any] = {}  # module path -> its kinks, "ties" or None
+        # a composite call open now -> the child calls its own code made (its local replay)
+        self._children: dict[tuple[str, int], list[ChildCall]] = {}
         self.reset()
 
     def reset(self) -> None:
         self._weight_sq: dict[Any, tuple] = {}  # meta.magnitude_sq's column sums
+        self._compiled_calls: list[tuple] = []  # compiled leaf calls awaiting their local replay
 
     def pre_hook(self, name: str) -> PreHook:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -77,10 +82,15 @@ class ForwardHooks:
         returns the call's number. ``compiled``: from a graph tap (record/taps.py), where the
         autograd graph is the compiled one's and buffers are written back after the graph."""
         call, parent = self.calls.open(name)
+        if self.local is not None and not compiled:
+            if parent in self._children:
+                self._children[parent].append(ChildCall(module, name, call))
+            if not is_leaf(module) and self.selection.module(name):
+                self._children[(name, call)] = []
         if not self.selection.module(name):
             return call
         ctx = {"parent": call_label(parent), "call_start": self.capture.order}
-        if self.local is not None and is_leaf(module) and not compiled:
+        if self.local is not None and not compiled:
             self.local.before_call(name, call, self.device)
         if inputs is None:
             inputs = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
@@ -118,13 +128,22 @@ class ForwardHooks:
         def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self.calls.ignored:
                 return
-            self.leave(name, module, args, kwargs, list(flatten(output, "output")))
+            self.leave(name, module, args, kwargs, list(flatten(output, "output")), output=output)
         return post_hook
 
     def leave(self, name: str, module: nn.Module, args: tuple, kwargs: dict,
-              outputs: Pairs, compiled: bool = False) -> int:
-        """A module call ends with ``outputs``; returns the call's number."""
+              outputs: Pairs, compiled: bool = False, output: Any = None) -> int:
+        """A module call ends with ``outputs`` (``output``: as returned, where known); returns
+        the call's number."""
         name_, call = self.calls.close(name)
+        children = self._children.pop((name_, call), None)
+        if self._children and self.calls.top in self._children and not compiled:
+            # a child call of the composite open now: what answers it in that one's replay
+            kid = next((c for c in reversed(self._children[self.calls.top])
+                        if c.name == name_ and c.call == call), None)
+            if kid is not None:
+                kid.output = output
+                kid.mask_end = self.local.mask_index()
         if not self.selection.module(name):
             return call
         ctx, dev_meta = self._call_meta(name, module, args, self.calls.top)
@@ -148,11 +167,28 @@ class ForwardHooks:
             self.tap_grads.contexts[(name, call)] = backward_meta(ctx)
         elif self.capture.wants("backward") and torch.is_grad_enabled():
             self.backward.hook(name, call, outputs, ctx, self.backward.made_by(name, call, outputs))
-        if self.local is not None and self.capture.wants("forward") and is_leaf(module) \
-                and not compiled:
+        if self.local is not None and self.capture.wants("forward") and compiled and is_leaf(module):
+            # inside the compiled graph: replayed through its own compiled code after the step
+            self._compiled_calls.append((name, call, module, args, ctx))
+        elif self.local is not None and self.capture.wants("forward") \
+                and (is_leaf(module) or children is not None):
             with torch._C._EnableTorchFunction():  # the user's module, as it ran
-                self._local_replay(name, call, module, args, kwargs, ctx)
+                self._local_replay(name, call, module, args, kwargs, ctx, children)
         return call
+
+    def replay_compiled(self) -> None:
+        """At the step's end: the local replays of the leaf calls a compiled graph made, each
+        leaf's code compiled on its own with the target's settings (no graph break added to
+        the run: it has run)."""
+        calls, self._compiled_calls = self._compiled_calls, []
+        if not calls:
+            return
+        # the replay's compiles are not the run's (its breaks, its frames); a graph's tap runs
+        # without autograd: the backward is replayed wherever the reference holds the call's
+        # gradients (record/local.py)
+        with unaccounted(), torch.enable_grad(), torch._C._EnableTorchFunction():
+            for name, call, module, args, ctx in calls:
+                self._local_replay(name, call, module, args, {}, ctx, None, compiled=True)
 
     def _call_meta(self, name: str, module: nn.Module, args: tuple, parent: Any
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
@@ -189,19 +225,28 @@ class ForwardHooks:
         return ctx, dev_meta
 
     def _local_replay(self, name: str, call: int, module: nn.Module, args: tuple, kwargs: dict,
-                      ctx: dict[str, Any]) -> None:
-        """Capture ``local.*`` entries: this leaf module rerun on the reference's inputs."""
+                      ctx: dict[str, Any], children: list[ChildCall] | None,
+                      compiled: bool = False) -> None:
+        """Capture ``local.*`` entries: this leaf module rerun on the reference's inputs, or
+        this composite's own code with its ``children`` calls answered from the reference."""
         backward = self.capture.wants("backward") and torch.is_grad_enabled()
+        step = self.capture.step
         self.calls.replaying = True
         try:
             with self.capture.quiet():
-                results = self.local.replay(self.capture.step, name, call, module, args, kwargs,
-                                            backward=backward, owner=self.owner)
+                results: list[Captured]
+                if children is None:
+                    results = [(name, call, phase, slot, t, {}) for phase, slot, t in self.local.replay(
+                        step, name, call, module, args, kwargs, backward=backward, owner=self.owner,
+                        compiled=compiled)]
+                else:
+                    results = self.local.replay_own(step, name, call, module, args, kwargs, children,
+                                                    backward=backward, owner=self.owner)
         finally:
             self.calls.replaying = False
         bctx = backward_meta(ctx)
         order = self.capture.order  # local entries must not shift the order numbers of the real ones
-        for phase, slot, t in results:
-            self.capture(name, phase, call, slot, t, extra=ctx if phase == "forward" else bctx,
-                         copy=False)
+        for mod, c, phase, slot, t, meta in results:
+            extra = (ctx if phase == "forward" else bctx) if mod == name else {"parent": call_label((name, call))}
+            self.capture(mod, phase, c, slot, t, extra=dict(extra, **meta), copy=False)
         self.capture.order = order

@@ -15,7 +15,7 @@ The replay runs inside the tracer's forward post-hook of the real call and leave
   the real call, so a Dropout replays with the mask the real call used;
 - autograd: the replay's graph starts at fresh leaves and ``autograd.grad`` only asks for the
   inputs' gradients, so no ``.grad`` is written and the training graph is untouched;
-- the module's forward hooks (the model's output collectors) are off during it;
+- the forward hooks of the module and its submodules (the model's output collectors) are off;
 - a replay the model's code refuses (it raises) leaves that module without a local error, as the
   warning ``local.replay_failed``: never a failed record.
 
@@ -33,8 +33,11 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.nested import substitute
+from driftcheck.nested import flatten, substitute
+from driftcheck.numerics.dtypes import unit_roundoff
+from driftcheck.record.own import Captured, ChildCall, Children, own_backward
 from driftcheck.store.keys import LOCAL_PREFIX, TraceKey
+from driftcheck.targets.faults import rerounded, stochastic_rounding
 
 _POST_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -60,6 +63,9 @@ class LocalReplay:
             raise DriftcheckError(f"--local {ref_dir}: the reference holds no full forward/backward "
                                   "tensors (recorded with --mode stats?); record it with --mode full")
         self.replay_id = self.reader.run.get("replay_id")
+        # a compiled target's: fn -> that fn compiled with its settings (runner sets it)
+        self.regional: Callable[[Any], Any] | None = None
+        self._compiled: dict[int, Any] = {}  # id(module) -> its forward, compiled on its own
         self._mask_mark: dict[tuple[str, int], tuple[int, int]] = {}
         self._rng_mark: dict[tuple[str, int], Any] = {}
         self.failed: dict[str, tuple[int, str]] = {}  # module -> (step, error) of a replay that raised
@@ -76,22 +82,190 @@ class LocalReplay:
             self._mask_mark[(name, call)] = (self.dropout.index, len(self.dropout.masks))
         self._rng_mark[(name, call)] = rng_state(device)
 
+    def mask_index(self) -> int | None:
+        """Where the dropout mask stream stands now (None without CPU-drawn masks)."""
+        return None if self.dropout is None else self.dropout.index
+
     def replay(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
                kwargs: dict, *, backward: bool,
                owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
-               ) -> list[tuple[str, str, torch.Tensor]]:
+               compiled: bool = False) -> list[tuple[str, str, torch.Tensor]]:
         """Run ``module`` on the reference inputs of this call: (phase, slot, tensor) captures.
 
         The module runs with the reference's parameters of this step (cast to the target's
         dtype): from step 1 on the target's own parameters carry the drift of earlier steps,
         which the params/optimizer entries judge; the replay measures the module's op alone.
         ``owner(param)`` names the (module, name) a parameter is recorded under (tied weights).
-        Nothing is returned for a call whose reference inputs were not recorded."""
+        Nothing is returned for a call whose reference inputs were not recorded.
+
+        ``compiled``: a call a compiled graph made (its inputs as the graph handed them, without
+        autograd): replayed after the step through the module's forward compiled on its own
+        (``regional``), its inputs' gradients where the reference has them; a call that draws
+        random numbers (a dropout mask) gives nothing (the graph drew its own)."""
         mark = self._mask_mark.pop((name, call), None)
         rng = self._rng_mark.pop((name, call), None)
         results: list[tuple[str, str, torch.Tensor]] = []
-        missing: list[str] = []
         needs_grad: set[str] = set()  # the inputs whose gradient the real call produced
+        refs = self._ref_inputs(step, name, call, args, kwargs, needs_grad)
+        run: Callable[..., Any] = module
+        if compiled:
+            if self.regional is None:
+                return results
+            needs_grad |= {s for s, _ in list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+                           if self.tensor(step, "backward", name, call, "grad_" + s) is not None}
+            run = self._compiled.get(id(module)) or self._compiled.setdefault(
+                id(module), self.regional(module.forward))
+            if self.dropout is not None:
+                mark = (self.dropout.index, len(self.dropout.masks))
+        drawn = len(self.dropout.masks) if self.dropout is not None else 0
+        ref_params = self._ref_params(step, name, module, owner)
+        if refs is None or ref_params is None:
+            return results
+        r_args, r_kwargs = refs
+        leaves: list[tuple[str, torch.Tensor]] = []
+        if backward:
+            r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
+        with self._isolated([(module, ref_params)], mark, rng), torch.set_grad_enabled(backward):
+            dev = next((p.device for p in ref_params.values()), None)
+            before = rng_state(dev) if compiled else None
+            try:
+                out = run(*r_args, **r_kwargs)
+            except Exception as e:
+                # a graph's tap hands positional tensors only: a call that took keywords (a
+                # rotary embedding's position_ids) cannot be rebuilt, and gets no local entries;
+                # an eager call the model's code refused: no local error, never a failed record
+                if not compiled:
+                    self.refused(name, step, e)
+                return []
+            if compiled and ((self.dropout is not None and len(self.dropout.masks) != drawn)
+                             or drew(before, rng_state(dev))):
+                return []  # it drew random numbers: not those the graph drew
+            outs: list[tuple[str, torch.Tensor]] = []
+            substitute(out, "output", lambda s, t: outs.append((s, t)))
+            for slot, t in outs:
+                results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
+            if backward and leaves:
+                try:
+                    results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
+                                                     outs, leaves)
+                except Exception as e:
+                    self.refused(name, step, e)
+                    return []
+        return results
+
+    def refused(self, name: str, step: int, e: BaseException) -> None:
+        """A replay the model's code refused (it raised): ``local.replay_failed``."""
+        self.failed.setdefault(name, (step, f"{type(e).__name__}: {str(e).strip()[:200]}"))
+
+    def findings(self) -> list[dict[str, Any]]:
+        """``local.replay_failed`` (a warning) for each module whose replay raised: its entries
+        have no local error and are judged by their propagated drift alone."""
+        return [{"kind": "local.replay_failed", "severity": "warning", "module": name, "step": step,
+                 "message": f"the local replay of {name} raised {err}; it has no local error, and its "
+                            "drift is judged as propagated (the record itself is complete)"}
+                for name, (step, err) in sorted(self.failed.items())]
+
+    def replay_own(self, step: int, name: str, call: int, module: nn.Module, args: tuple,
+                   kwargs: dict, children: list[ChildCall], *, backward: bool,
+                   owner: Callable[[torch.Tensor], tuple[str, str] | None] = lambda p: None,
+                   ) -> list[Captured]:
+        """Run the composite ``module`` on the reference inputs of this call with each of its
+        ``children`` calls answered from the reference's trace (record/own.py): only its own
+        code computes. (module, call, phase, slot, tensor, meta) captures; none where the reference
+        cannot answer every child call as the real run made it."""
+        mark = self._mask_mark.pop((name, call), None)
+        rng = self._rng_mark.pop((name, call), None)
+        needs_grad: set[str] = set()
+        refs = self._ref_inputs(step, name, call, args, kwargs, needs_grad)
+        covered = {id(m) for c in children for m in c.module.modules()}
+        swaps = []
+        for path, m in module.named_modules(prefix=name):
+            if id(m) in covered:
+                continue
+            params = self._ref_params(step, path, m, owner)
+            if params is None:
+                return []
+            swaps.append((m, params))
+        if refs is None or not swaps:
+            return []
+        # the coarsest operand the parent's code gets: its inputs and its children's answers
+        # are rounded to their live dtypes, whatever dtype its own code computes in
+        operand_u = max([unit_roundoff(t.dtype) for _, t in list(flatten(args, "input"))
+                         + list(flatten(kwargs, "input")) + [x for c in children
+                                                             for x in flatten(c.output, "output")]
+                         if t.is_floating_point()], default=0.0)
+
+        def one_pass(noise: bool) -> dict[tuple, torch.Tensor] | None:
+            for c in children:
+                c.done = False
+            fresh = substitute(refs, "input", lambda _s, t: t.clone())
+            return self._own_pass(step, name, call, module, fresh, children, swaps, mark, rng,
+                                  needs_grad if backward else None, noise)
+        results = one_pass(False)
+        if not results:
+            return []
+        # The same code once more with every op's result re-rounded stochastically: how much
+        # its ops' rounding moves each result (a sum that cancels moves it by its terms' size)
+        noisy = one_pass(True) or {}
+        out: list[Captured] = []
+        for key, t in results.items():
+            meta: dict[str, Any] = {"operand_u": operand_u}
+            n = noisy.get(key)
+            if n is not None and n.shape == t.shape:
+                a, b = n.double(), t.double()
+                d = torch.where(a.isfinite() & b.isfinite(), a - b, 0.0).abs()  # -inf masks: 0
+                meta["local_noise"] = [float(d.pow(2).mean().sqrt()) if d.numel() else 0.0,
+                                       float(d.max()) if d.numel() else 0.0]
+            out.append((*key, t, meta))
+        return out
+
+    def _own_pass(self, step: int, name: str, call: int, module: nn.Module, refs: tuple,
+                  children: list[ChildCall], swaps: list, mark: Any, rng: Any,
+                  needs_grad: set[str] | None, noise: bool) -> dict[tuple, torch.Tensor] | None:
+        """One replay of a composite's own code: {(module, call, phase, slot): tensor}, or
+        None where it could not run as the real call did. ``needs_grad``: the inputs to take
+        gradients of (None: no backward); ``noise``: under stochastic rounding."""
+        leaves: list[tuple[str, torch.Tensor]] = []
+        r_args, r_kwargs = refs
+        if needs_grad is not None:
+            r_args, r_kwargs = as_leaves((r_args, r_kwargs), needs_grad, leaves)
+        anchor = torch.zeros((), requires_grad=True)
+
+        def lookup(phase: str, mod: str, c: int, slot: str) -> torch.Tensor | None:
+            return self.tensor(step, phase, mod, c, slot)
+        mode: Any = stochastic_rounding(step) if noise else contextlib.nullcontext()
+        # the noisy pass re-rounds its operands too (the inputs, each child's answers, the
+        # output gradients): their rounding, amplified where the code cancels, is noise as well
+        operand = (lambda t: rerounded(mode, t)) if noise else None
+        answers = Children(lookup, children, anchor, self.dropout, operand)
+        results: dict[tuple, torch.Tensor] = {}
+        try:
+            with self._isolated(swaps, mark, rng), torch.set_grad_enabled(needs_grad is not None), mode:
+                if operand is not None:
+                    r_args, r_kwargs = substitute((r_args, r_kwargs), "input",
+                                                  lambda _s, t: operand(t) if t.is_floating_point() else t)
+                answers.install()
+                try:
+                    out = module(*r_args, **r_kwargs)
+                finally:
+                    answers.remove()
+                outs = list(flatten(out, "output"))
+                results.update({(name, call, "forward", LOCAL_PREFIX + s): t.detach() for s, t in outs})
+                grads = own_backward(outs, lambda s: lookup("backward", name, call, s), leaves,
+                                     anchor, operand) if needs_grad is not None else None
+        except Exception:  # Abort, or the parent's code refusing an answer: no local entries
+            return None
+        if grads is not None and answers.backward_ok:
+            results.update({(name, call, "backward", LOCAL_PREFIX + s): g for s, g in grads})
+        results.update({c[:4]: c[4] for c in answers.captures if c[2] == "forward" or answers.backward_ok})
+        return results
+
+    def _ref_inputs(self, step: int, name: str, call: int, args: tuple, kwargs: dict,
+                    needs_grad: set[str]) -> tuple[tuple, dict] | None:
+        """(args, kwargs) with every tensor replaced by the reference's of this call (cast to
+        the live one's dtype, on its device, in its layout), or None where one is missing.
+        ``needs_grad`` receives the slots of the live inputs that require grad."""
+        missing: list[str] = []
 
         def ref_input(slot: str, t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad and t.is_floating_point():
@@ -109,43 +283,7 @@ class LocalReplay:
 
         r_args = substitute(args, "input", ref_input)
         r_kwargs = substitute(kwargs, "input", ref_input)
-        ref_params = self._ref_params(step, name, module, owner)
-        if missing or ref_params is None:
-            return results
-        leaves: list[tuple[str, torch.Tensor]] = []
-        if backward:
-            # Fresh leaves requiring grad; the module sees a non-leaf copy so in-place modules
-            # (ReLU(inplace=True)) may write into it.
-            def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
-                if slot not in needs_grad:
-                    return t
-                leaf = t.detach().requires_grad_(True)
-                leaves.append((slot, leaf))
-                return leaf.clone()
-            r_args = substitute(r_args, "input", as_leaf)
-            r_kwargs = substitute(r_kwargs, "input", as_leaf)
-        try:
-            with self._isolated(module, mark, ref_params, rng), torch.set_grad_enabled(backward):
-                out = module(*r_args, **r_kwargs)
-                outs: list[tuple[str, torch.Tensor]] = []
-                substitute(out, "output", lambda s, t: outs.append((s, t)))
-                for slot, t in outs:
-                    results.append(("forward", LOCAL_PREFIX + slot, t.detach()))
-                if backward and leaves:
-                    results += self._replay_backward(TraceKey(step, "backward", name, call, ""),
-                                                     outs, leaves)
-        except Exception as e:  # the model's code refused the replay: no local error, never a crash
-            self.failed.setdefault(name, (step, f"{type(e).__name__}: {str(e).strip()[:200]}"))
-            return []
-        return results
-
-    def findings(self) -> list[dict[str, Any]]:
-        """``local.replay_failed`` (a warning) for each module whose replay raised: its entries
-        have no local error and are judged by their propagated drift alone."""
-        return [{"kind": "local.replay_failed", "severity": "warning", "module": name, "step": step,
-                 "message": f"the local replay of {name} raised {err}; it has no local error, and its "
-                            "drift is judged as propagated (the record itself is complete)"}
-                for name, (step, err) in sorted(self.failed.items())]
+        return None if missing else (r_args, r_kwargs)
 
     def _ref_params(self, step: int, name: str, module: nn.Module,
                     owner: Callable[[torch.Tensor], tuple[str, str] | None]
@@ -186,21 +324,28 @@ class LocalReplay:
                 for (slot, _), g in zip(leaves, grads) if g is not None]
 
     @contextlib.contextmanager
-    def _isolated(self, module: nn.Module, mark: tuple[int, int] | None,
-                  params: dict[str, nn.Parameter], rng: Any = None) -> Iterator[None]:
+    def _isolated(self, swaps: list[tuple[nn.Module, dict[str, nn.Parameter]]],
+                  mark: tuple[int, int] | None, rng: Any = None) -> Iterator[None]:
+        """Each module of ``swaps`` runs with those parameters and copies of its buffers; the
+        dropout stream rewound to ``mark``, the RNG forked and set to ``rng``."""
         # The replay works on copies of the buffers: writing the originals back afterwards would
         # bump their version counters, and BatchNorm saves running stats for its backward.
-        originals = {k: b for k, b in module._buffers.items() if b is not None}
-        for k, b in originals.items():
-            module._buffers[k] = b.detach().clone()
-        own_params = {k: module._parameters[k] for k in params}
-        module._parameters.update(params)
-        # The model's own forward hooks do not see the replay: an output collector (transformers
-        # records router logits for an auxiliary loss that way) would take the replay's output
-        # into the training graph. Pre-hooks stay: they may make the forward's inputs or weights.
-        post_hooks = [(attr, getattr(module, attr)) for attr in _POST_HOOKS if getattr(module, attr, None)]
-        for attr, hooks in post_hooks:
-            setattr(module, attr, type(hooks)())
+        undo: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+        for module, params in swaps:
+            originals = {k: b for k, b in module._buffers.items() if b is not None}
+            for k, b in originals.items():
+                module._buffers[k] = b.detach().clone()
+            undo.append((module, originals, {k: module._parameters[k] for k in params}))
+            module._parameters.update(params)
+        module = swaps[0][0]
+        # The model's own forward hooks do not see the replay (nor its children's answers): an
+        # output collector (transformers records router logits for an auxiliary loss that way)
+        # would take the replay's output into the training graph. Pre-hooks stay: they may make
+        # the forward's inputs or weights.
+        hooked = [(m, attr, getattr(m, attr)) for m in module.modules() for attr in _POST_HOOKS
+                  if getattr(m, attr, None)]
+        for m, attr, hooks in hooked:
+            setattr(m, attr, type(hooks)())
         dev = next((t.device for t in list(module.parameters()) + list(module.buffers())),
                    torch.device("cpu"))
         drop_state = None
@@ -212,16 +357,31 @@ class LocalReplay:
                 set_rng_state(rng)
                 yield
         finally:
-            for attr, hooks in post_hooks:
-                setattr(module, attr, hooks)
-            module._buffers.update(originals)
-            module._parameters.update(own_params)
+            for m, attr, hooks in hooked:
+                setattr(m, attr, hooks)
+            for module, originals, own_params in undo:
+                module._buffers.update(originals)
+                module._parameters.update(own_params)
             if drop_state is not None:
                 self.dropout.index = drop_state[0]
                 del self.dropout.masks[drop_state[1]:]
 
     def close(self) -> None:
         self.reader.close()
+
+
+def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
+              leaves: list[tuple[str, torch.Tensor]]) -> tuple[tuple, dict]:
+    """Fresh leaves requiring grad for the inputs ``needs_grad`` names (into ``leaves``); the
+    module sees a non-leaf copy so in-place modules (ReLU(inplace=True)) may write into it."""
+    def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
+        if slot not in needs_grad:
+            return t
+        leaf = t.detach().requires_grad_(True)
+        leaves.append((slot, leaf))
+        return leaf.clone()
+    args, kwargs = args_kwargs
+    return substitute(args, "input", as_leaf), substitute(kwargs, "input", as_leaf)
 
 
 def fork_rng(dev: torch.device) -> Any:
@@ -243,6 +403,14 @@ def rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
         except (AttributeError, RuntimeError, TypeError):  # a backend without RNG state access
             dev_state = None
     return torch.random.get_rng_state(), dev_state
+
+
+def drew(before: Any, after: tuple[torch.Tensor, Any]) -> bool:
+    """Whether the generators moved between two ``rng_state`` readings."""
+    if not torch.equal(before[0], after[0]):
+        return True
+    b, a = before[1], after[1]
+    return b is not None and a is not None and not torch.equal(b[1].cpu(), a[1].cpu())
 
 
 def set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:

@@ -157,9 +157,6 @@ def check(sides: Sides) -> None:
     if sides.local and sides.mode != "full":
         raise DriftcheckError(f"--local needs full tensors of the reference: drop --mode {sides.mode} "
                               "or drop --local")
-    if sides.local and sides.compile:
-        raise DriftcheckError("--local reruns the target's modules eagerly: it cannot judge a "
-                              "--compile target; drop --local")
     if (sides.compile_mode or sides.dynamic is not None) and not (sides.compile or sides.reference_compile):
         raise DriftcheckError("--compile-mode and --dynamic set how --compile compiles: add "
                               "--compile [BACKEND]")

@@ -93,9 +93,8 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
 
 def _refuse_combinations(config: RecordConfig) -> None:
     c = config
-    if c.compile and (c.parallel or c.local is not None or c.fp8 or c.simulate or c.view_audit
-                      or c.emulate):
-        raise DriftcheckError("--compile records a plain compiled run: drop --parallel, --local, "
+    if c.compile and (c.parallel or c.fp8 or c.simulate or c.view_audit or c.emulate):
+        raise DriftcheckError("--compile records a plain compiled run: drop --parallel, "
                               "--fp8, --simulate, --emulate and --view-audit (they run the model "
                               "eagerly or under a dispatch mode Dynamo does not trace)")
     if c.dist_backend and not c.parallel:
@@ -193,6 +192,10 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
     dropout = DropoutControl(config.seed, ranks_.rank, ranks_.world)
     local_replay = _open_local(config.local, config.replay, inputs.replay_id, config.fp8, dropout) \
         if config.local is not None else None
+    if local_replay is not None and config.compile:
+        # a compiled target's modules are replayed through their own compiled code (regional
+        # compilation with the target's settings), after each step, outside its graphs
+        local_replay.regional = compilation.regional(dict(config.compile))
     with TraceWriter(config.out, force=config.force) as writer:
         if inputs.meta is not None:
             writer.write_replay(inputs.tensors, inputs.meta)

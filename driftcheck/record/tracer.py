@@ -108,8 +108,8 @@ class Tracer:
         self.backward = BackwardHooks(self.capture, self.calls, self.tap_grads,
                                       compiled=self.compiled,
                                       root_output_grads=config.root_output_grads)
-        # a leaf rerun eagerly is not what the compiled graph computed: no local replay there
-        self.local = None if self.compiled else local
+        # compiled: each leaf replayed through its own compiled code at the step's end
+        self.local = local if not self.compiled or getattr(local, "regional", None) else None
         self.forward = ForwardHooks(self.capture, self.calls, self.selection, self.watch,
                                     self.norms, self.backward, self.tap_grads, local=self.local,
                                     device=self.device, owner=self.state.owner)
@@ -271,6 +271,7 @@ class Tracer:
                 self.state.after_update()
             if self.norms.deferred or self.compiled:
                 self.norms.audit_deferred(self.graph_taps.by_name, self.calls.counts)
+            self.forward.replay_compiled()
         if self.counts is not None:  # the step's own sync point: its graph, captures included
             deferred.mark_step(self.device)
             self.capture.host_now = True  # the state now holds the data the step made

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
@@ -331,9 +331,10 @@ class _StochasticRounding(TorchDispatchMode):
         if func.overloadpacket.__name__ not in _ARITHMETIC or func._schema.is_mutable:
             return out
         ptrs = {a.untyped_storage().data_ptr() for a in _tensors(args, kwargs)}
-        for t in _tensors(out, None):
-            if t.dtype in _REROUNDED and t.numel() and t.untyped_storage().data_ptr() not in ptrs:
-                self._reround(t)
+        with _disable_current_modes():  # its own arithmetic is not the kernels under test (an op fault below)
+            for t in _tensors(out, None):
+                if t.dtype in _REROUNDED and t.numel() and t.untyped_storage().data_ptr() not in ptrs:
+                    self._reround(t)
         return out
 
     def _reround(self, t: torch.Tensor) -> None:
@@ -354,6 +355,17 @@ class _StochasticRounding(TorchDispatchMode):
 
 def _tensors(obj: Any, kwargs: dict | None) -> list[torch.Tensor]:
     return [t for _, t in flatten((obj, kwargs or {}), "x")]
+
+
+def rerounded(mode: TorchDispatchMode, t: torch.Tensor) -> torch.Tensor:
+    """``t`` re-rounded as ``mode`` (a ``stochastic_rounding()``) re-rounds an op's result,
+    outside every dispatch mode (no op fault below sees it); autograd passes through."""
+    with _disable_current_modes():
+        with torch.no_grad():
+            r = t.detach().clone()
+            if isinstance(mode, _StochasticRounding) and r.dtype in _REROUNDED and r.numel():
+                mode._reround(r)
+        return t + (r - t.detach())
 
 
 def stochastic_rounding(seed: int = 0) -> TorchDispatchMode:

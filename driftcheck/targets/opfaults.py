@@ -12,6 +12,7 @@ ops); unscoped, it is active everywhere, as a faulty kernel would be.
 - ``low_precision_sum``: ``sum``/``mean`` accumulated sequentially in bf16.
 - ``matmul_bf16_inputs``: a float32 matmul computed from bf16-rounded operands (one bf16 pass).
 - ``scaled_mm_wrong_axis``: fp8 ``_scaled_mm`` with row-wise scales along the wrong axis.
+- ``scale_op``: one forward op's result scaled by ``factor`` (glue code a few percent off).
 - ``wrong_backward``: a backward formula with a missing term (``silu_backward``, ``gelu_backward``)
   or, for any other backward op, its result scaled by ``factor``.
 
@@ -42,6 +43,7 @@ __all__ = [
     "install_from_env",
     "low_precision_sum",
     "matmul_bf16_inputs",
+    "scale_op",
     "scaled_mm_wrong_axis",
     "wrong_backward",
 ]
@@ -237,6 +239,18 @@ def wrong_backward(module: str | None = None, op: str = "silu_backward",
                    watch=(op.removesuffix("_backward"),), op=op)
 
 
+def scale_op(module: str | None = None, op: str = "mul", factor: float = 1.02) -> OpFault:
+    """One forward op's result times ``factor`` (a kernel a few percent off): a parent's own
+    glue code (a SwiGLU's product ``mul``, a residual ``add``, an attention's ``_softmax``)."""
+    def compute(func, args, kwargs):
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return out
+        # an in-place op (``out += identity``: add_) returns the tensor it wrote: scale it there
+        return out.mul_(factor) if func.overloadpacket.__name__.endswith("_") else out * factor
+    return OpFault("scale_op", (op,), compute, module, op=op, factor=factor)
+
+
 def scaled_mm_wrong_axis(module: str | None = None) -> OpFault:
     """fp8 ``_scaled_mm`` with row-wise scales applied along the other axis (torch_tpu's bug
     #1820): the row scale of A multiplies columns and the column scale of B rows (square
@@ -253,6 +267,7 @@ FACTORIES: dict[str, Callable[..., OpFault]] = {
     "gelu_tanh": gelu_tanh, "attention_scale": attention_scale,
     "low_precision_sum": low_precision_sum, "matmul_bf16_inputs": matmul_bf16_inputs,
     "wrong_backward": wrong_backward, "scaled_mm_wrong_axis": scaled_mm_wrong_axis,
+    "scale_op": scale_op,
 }
 
 

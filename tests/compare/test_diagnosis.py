@@ -85,7 +85,10 @@ def test_compare_reports_local_beside_propagated_error(refs):
     assert leaf_out.details["local"]["floor"] <= leaf_out.floor  # no inherited part
     assert next(e for e in rep.entries if e.key == "0/backward/fc2/0/grad_input.0").local_ratio is not None
     assert not any(f.kind.startswith("alignment") for f in rep.findings)  # local.* are not extra
-    assert all(e.local_ratio is None for e in rep.entries if e.module == "")  # not a leaf
+    # the model itself is a composite: its own code is replayed with its children answered
+    # from the reference (record/own.py), and a clean bf16 target's is within the limit
+    own = [e for e in rep.entries if e.module == "" and e.local_ratio is not None]
+    assert own and all(e.local_ratio < rep.limit for e in own)
 
 
 def test_first_divergence_uses_local_error(refs):
