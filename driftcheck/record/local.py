@@ -15,7 +15,8 @@ The replay runs inside the tracer's forward post-hook of the real call and leave
   the real call, so a Dropout replays with the mask the real call used;
 - autograd: the replay's graph starts at fresh leaves and ``autograd.grad`` only asks for the
   inputs' gradients, so no ``.grad`` is written and the training graph is untouched;
-- the forward hooks of the module and its submodules (the model's output collectors) are off;
+- the forward hooks of the module and its submodules (the model's output collectors) are off,
+  and their public Python attributes (a list the forward clears, a counter) are put back after;
 - a replay the model's code refuses (it raises) leaves that module without a local error, as the
   warning ``local.replay_failed``: never a failed record.
 
@@ -25,6 +26,7 @@ Captured as extra entries of the target trace, slot ``local.<slot>`` next to ``<
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -204,6 +206,11 @@ class LocalReplay:
         results = one_pass(False)
         if not results:
             return []
+        # A child whose outputs the model's own hooks collect (router logits for an auxiliary
+        # loss) passes them on outside the parent's code: their gradient is not the parent's alone
+        escaping = {c.name for c in children if collected(c.module)}
+        results = {k: t for k, t in results.items()
+                   if not (k[0] in escaping and k[2] == "backward" and k[3].startswith(LOCAL_PREFIX + "grad_output"))}
         # The same code once more with every op's result re-rounded stochastically: how much
         # its ops' rounding moves each result (a sum that cancels moves it by its terms' size)
         noisy = one_pass(True) or {}
@@ -344,8 +351,10 @@ class LocalReplay:
         # the forward's inputs or weights.
         hooked = [(m, attr, getattr(m, attr)) for m in module.modules() for attr in _POST_HOOKS
                   if getattr(m, attr, None)]
-        for m, attr, hooks in hooked:
-            setattr(m, attr, type(hooks)())
+        for m, attr, hooks in hooked:  # driftcheck's own stay: its taps, an injected fault's
+            keep = {i for i, h in getattr(m, "_forward_hooks", {}).items() if ours(h)}
+            setattr(m, attr, type(hooks)((i, h) for i, h in hooks.items() if i in keep))
+        state = [ModuleState(m) for m in module.modules()]  # its code's own Python state
         dev = next((t.device for t in list(module.parameters()) + list(module.buffers())),
                    torch.device("cpu"))
         drop_state = None
@@ -359,6 +368,8 @@ class LocalReplay:
         finally:
             for m, attr, hooks in hooked:
                 setattr(m, attr, hooks)
+            for st in state:
+                st.restore()
             for module, originals, own_params in undo:
                 module._buffers.update(originals)
                 module._parameters.update(own_params)
@@ -368,6 +379,39 @@ class LocalReplay:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def ours(hook: Any) -> bool:
+    """Whether a hook is driftcheck's own (a tap, an injected fault), not the model's."""
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    fn = getattr(fn, "__func__", fn)  # a bound method
+    return str(getattr(fn, "__module__", "") or "").startswith("driftcheck.")
+
+
+def collected(m: nn.Module) -> bool:
+    """Whether ``m`` has forward hooks of the model's own (an output collector)."""
+    return any(not ours(h) for h in getattr(m, "_forward_hooks", {}).values())
+
+
+class ModuleState:
+    """A module's public attributes as they stand (a collector list, a counter, a cache dict),
+    put back after a replay: the model's own code run again must not change what the real run
+    reads next (a forward that clears a list of router logits before the loss reads it)."""
+
+    def __init__(self, m: nn.Module) -> None:
+        self.m = m
+        self.bound = {k: v for k, v in vars(m).items() if not k.startswith("_")}
+        self.contents = {k: copy.copy(v) for k, v in self.bound.items() if type(v) in (list, dict, set)}
+
+    def restore(self) -> None:
+        d = vars(self.m)
+        for k in [k for k in d if not k.startswith("_") and k not in self.bound]:
+            del d[k]
+        d.update(self.bound)
+        for k, saved in self.contents.items():
+            v = self.bound[k]
+            v.clear()
+            v.update(saved) if not isinstance(v, list) else v.extend(saved)
 
 
 def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
