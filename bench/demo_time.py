@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CWD = tempfile.gettempdir()  # not ROOT: ``python -m`` would import the package there, not PYTHONPATH's
 DEMO = ["run", "llama", "--reference", "cpu", "--target", "cpu", "--target-dtype", "bf16", "--force"]
 
 
@@ -37,7 +38,7 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, flo
     """(wall seconds, CPU seconds of the command's processes, output)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=CWD, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:

@@ -17,7 +17,7 @@ HIST_BINS = 2048  # float64 biased exponents
 EXPONENT_BITS = np.int64(0x7FF0000000000000)
 RECIPROCAL_BITS = np.int64(2046 << 52)  # bits(2^-k) = bits(2046 << 52) - bits(2^k)
 SMALL = 1 << 16  # elements: up to this, numpy measures a chunk pair (and record's meta) at once
-SMALL_GROUP = 1 << 20  # elements of the tensors a record summarizes at once: torch ops up to this
+SMALL_GROUP = 1 << 22  # elements a record summarizes at once: torch ops (a float64 copy, 32 MB at most) up to this
 
 # Partials returned by both passes, in this order.
 FIELDS = ("n_pair", "n_ref", "n_tgt", "abs", "sq", "rr", "tt", "rt", "ref_sq", "tgt_sq",
