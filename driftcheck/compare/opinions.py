@@ -10,6 +10,7 @@ from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.index import Call, DependencyIndex
 from driftcheck.compare.kinks import Kinks
 from driftcheck.compare.measure import Measurer
+from driftcheck.compare.roundoff import matmul_roundoff
 from driftcheck.gate.report import DRIFT, NONFINITE, OK
 from driftcheck.numerics import dtypes, floor as fl
 from driftcheck.store.keys import TraceKey
@@ -49,6 +50,18 @@ class Opinions:
         self.measurer, self.kinks = measurer, kinks
         self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
         self.index = index
+        self._outputs: dict[tuple[int, str, int], int] | None = None  # forward outputs per call
+
+    def _several_outputs(self, r: TraceEntry) -> bool:
+        """Whether the call that ``r``'s output gradient belongs to returned several outputs
+        (their forward entries in the reference), counted once for the whole trace."""
+        if self._outputs is None:
+            self._outputs = {}
+            for e in self.measurer.ref.entries:
+                if e["phase"] == "forward" and str(e["slot"]).startswith("output"):
+                    k = (e["step"], e["module"], e["call"])
+                    self._outputs[k] = self._outputs.get(k, 0) + 1
+        return self._outputs.get((r.step, r.module, r.call), 0) > 1
 
     def local(self, r: TraceEntry, fi: fl.FloorInputs, limit: float) -> dict[str, Any] | None:
         """The error this module adds itself: the target's replay of it on the reference's
@@ -63,9 +76,20 @@ class Opinions:
             # features feed its next stages): its recorded gradient holds their share, which
             # a replay of the parent's code, the child answered from the trace, does not make.
             return None
+        if "operand_u" in le.meta and r.phase == "backward" and r.slot_is("grad_output") \
+                and self._several_outputs(r):
+            # A child with several outputs may compute one from another (a router's scores
+            # from its logits): the recorded gradient of the first already holds that share,
+            # which the parent's code, the child answered from the trace, does not make.
+            return None
         measured = self.measurer.measure(self.measurer.ref, r, self.measurer.tgt, le)
         m = measured.metrics
-        f = own_floor(fi, le.meta)
+        # the parent's own matmuls (attention's q @ k) compute at the target's matmul precision
+        # (TF32, a TPU's bf16 passes under --emulate tpu), whatever its operands' dtypes
+        mm_u = matmul_roundoff(self.measurer.tgt.run, le.dtype, r.phase, "composite")
+        meta = dict(le.meta, operand_u=max(le.meta.get("operand_u") or 0.0, mm_u)) if "operand_u" in le.meta \
+            else le.meta
+        f = own_floor(fi, meta)
         ratio = f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0))
         flips = None
         if ratio > 1.0 and r.phase == "backward" and r.slot_is("grad_input", "grad_output") \

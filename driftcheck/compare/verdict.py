@@ -77,10 +77,15 @@ class Verdict:
             fd["local_ratio"] = first.local_ratio
         fd["blame_module"] = self.blame_module(first)
         if fd["blame_module"] != first.module and first.phase == "backward" \
-                and not slot_is(first.slot, "grad_output"):
+                and self._made_inside(first):
             fd["where"] = (f"in the backward of {fd['blame_module']}, which made this tensor "
                            f"that {first.module or 'the model'} returns (a cache)")
         return fd
+
+    def _made_inside(self, e: Entry) -> bool:
+        """Whether ``e`` is a tensor a module returns that a call inside it made (a cache)."""
+        r = self.index.by_align.get(TraceKey(e.step, e.phase, e.module, e.call, e.slot))
+        return r is not None and bool(self.index.made_inside(r))
 
     def blame_module(self, e: Entry) -> str:
         """The module whose code produced the diverging tensor: a forward input is computed by

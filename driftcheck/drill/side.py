@@ -36,7 +36,7 @@ from driftcheck.drill import oplog
 from driftcheck.drill.align import align
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
-from driftcheck.record.local import fork_rng, rng_state, set_rng_state
+from driftcheck.record.isolation import fork_rng, rng_state, set_rng_state
 from driftcheck.targets import precision
 
 

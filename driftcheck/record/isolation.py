@@ -1,0 +1,103 @@
+"""What a local replay leaves as it found it (record/local.py): the model's own forward hooks
+(off during it; driftcheck's taps and injected faults stay), its modules' public Python
+attributes (put back after it), and the random number generators (forked, set to the real call's
+state). Also the fresh autograd leaves a replay's backward starts from."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from driftcheck.nested import substitute
+
+POST_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def ours(hook: Any) -> bool:
+    """Whether a hook is driftcheck's own (a tap, an injected fault), not the model's."""
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    fn = getattr(fn, "__func__", fn)  # a bound method
+    return str(getattr(fn, "__module__", "") or "").startswith("driftcheck.")
+
+
+def collected(m: nn.Module) -> bool:
+    """Whether ``m`` has forward hooks of the model's own (an output collector)."""
+    return any(not ours(h) for h in getattr(m, "_forward_hooks", {}).values())
+
+
+class ModuleState:
+    """A module's public attributes as they stand (a collector list, a counter, a cache dict),
+    put back after a replay: the model's own code run again must not change what the real run
+    reads next (a forward that clears a list of router logits before the loss reads it)."""
+
+    def __init__(self, m: nn.Module) -> None:
+        self.m = m
+        self.bound = {k: v for k, v in vars(m).items() if not k.startswith("_")}
+        self.contents = {k: copy.copy(v) for k, v in self.bound.items() if type(v) in (list, dict, set)}
+
+    def restore(self) -> None:
+        d = vars(self.m)
+        for k in [k for k in d if not k.startswith("_") and k not in self.bound]:
+            del d[k]
+        d.update(self.bound)
+        for k, saved in self.contents.items():
+            v = self.bound[k]
+            v.clear()
+            v.update(saved) if not isinstance(v, list) else v.extend(saved)
+
+
+def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
+              leaves: list[tuple[str, torch.Tensor]]) -> tuple[tuple, dict]:
+    """Fresh leaves requiring grad for the inputs ``needs_grad`` names (into ``leaves``); the
+    module sees a non-leaf copy so in-place modules (ReLU(inplace=True)) may write into it."""
+    def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
+        if slot not in needs_grad:
+            return t
+        leaf = t.detach().requires_grad_(True)
+        leaves.append((slot, leaf))
+        return leaf.clone()
+    args, kwargs = args_kwargs
+    return substitute(args, "input", as_leaf), substitute(kwargs, "input", as_leaf)
+
+
+def fork_rng(dev: torch.device) -> Any:
+    if dev.type == "cpu" or not hasattr(torch, dev.type):  # lazy: no torch.lazy, no RNG of its own
+        return torch.random.fork_rng(devices=[])
+    try:
+        return torch.random.fork_rng(devices=[dev.index or 0], device_type=dev.type)
+    except (RuntimeError, AttributeError, TypeError):  # a backend without RNG state access
+        return torch.random.fork_rng(devices=[])
+
+
+def rng_state(device: torch.device | None) -> tuple[torch.Tensor, Any]:
+    """The CPU generator's state, and the device's where it has one (no copy on the device)."""
+    dev_state = None
+    if device is not None and device.type != "cpu":
+        try:
+            mod = getattr(torch, device.type)
+            dev_state = (mod, mod.get_rng_state(device.index or 0))
+        except (AttributeError, RuntimeError, TypeError):  # a backend without RNG state access
+            dev_state = None
+    return torch.random.get_rng_state(), dev_state
+
+
+def drew(before: Any, after: tuple[torch.Tensor, Any]) -> bool:
+    """Whether the generators moved between two ``rng_state`` readings."""
+    if not torch.equal(before[0], after[0]):
+        return True
+    b, a = before[1], after[1]
+    return b is not None and a is not None and not torch.equal(b[1].cpu(), a[1].cpu())
+
+
+def set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:
+    if state is None:
+        return
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        mod, dev_state = state[1]
+        try:
+            mod.set_rng_state(dev_state)
+        except (AttributeError, RuntimeError, TypeError):
+            pass
