@@ -47,6 +47,19 @@ def llama_scenario(size: str, steps: int, seed: int = 0) -> Scenario:
                     steps=steps, name=f"llama-{size}")
 
 
+def llama_stats_report(work: Path, steps: int) -> Any:
+    """The report of the built-in Llama over ``steps`` steps, fp32 reference against a bf16
+    target, stats mode (the reports the HTML benchmarks render), recorded under ``work``."""
+    from driftcheck.compare import compare
+    from driftcheck.loader import load_scenario
+    from driftcheck.record.runner import record
+
+    ref = record(load_scenario("llama"), work / "ref", steps=steps, mode="stats", model_id="llama")
+    tgt = record(load_scenario("llama"), work / "tgt", steps=steps, mode="stats", dtype="bf16",
+                 replay=ref, model_id="llama")
+    return compare(ref, tgt)
+
+
 def parse_args(doc: str | None, **options: dict[str, Any]) -> argparse.Namespace:
     """A benchmark's command line: ``--quick``, ``--threads`` and ``options`` (``--name`` ->
     add_argument keywords, underscores as dashes); sets torch's intra-op threads."""

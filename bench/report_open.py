@@ -33,9 +33,7 @@ def main() -> int:
         return 2
     from playwright.sync_api import sync_playwright
 
-    from driftcheck.compare import compare
-    from driftcheck.loader import load_scenario
-    from driftcheck.record.runner import record
+    from _common import llama_stats_report
     from driftcheck.report.html import render_html
 
     rows = []
@@ -44,10 +42,7 @@ def main() -> int:
                                     args=["--headless", "--no-sandbox", "--disable-gpu"])
         for steps in [int(s) for s in args.steps.split(",")]:
             work = Path(tmp) / f"s{steps}"
-            ref = record(load_scenario("llama"), work / "ref", steps=steps, mode="stats", model_id="llama")
-            tgt = record(load_scenario("llama"), work / "tgt", steps=steps, mode="stats", dtype="bf16",
-                         replay=ref, model_id="llama")
-            report = compare(ref, tgt)
+            report = llama_stats_report(work, steps)
             t0 = time.perf_counter()
             html = render_html(report)
             render = time.perf_counter() - t0

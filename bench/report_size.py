@@ -65,18 +65,13 @@ def main() -> int:
             print(row(path.name, int(data.group(1)) if data else "?", html))
         return 0
 
-    from driftcheck.compare import compare
-    from driftcheck.loader import load_scenario
-    from driftcheck.record.runner import record
+    from _common import llama_stats_report
     from driftcheck.report.html import render_html
 
     with tempfile.TemporaryDirectory(prefix="dc-bench-size-") as tmp:
         for steps in [int(s) for s in args.steps.split(",")]:
             work = Path(tmp) / f"s{steps}"
-            ref = record(load_scenario("llama"), work / "ref", steps=steps, mode="stats", model_id="llama")
-            tgt = record(load_scenario("llama"), work / "tgt", steps=steps, mode="stats", dtype="bf16",
-                         replay=ref, model_id="llama")
-            report = compare(ref, tgt)
+            report = llama_stats_report(work, steps)
             html = render_html(report)
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
