@@ -131,6 +131,9 @@ def main() -> int:
                                 "ratio": fd.get("ratio"), "local_ratio": fd.get("local_ratio"),
                                 "worst": max((e.ratio for e in rep.entries if e.ratio is not None
                                               and math.isfinite(e.ratio)), default=0.0),
+                                "worst_local": max((e.local_ratio for e in rep.entries
+                                                    if e.local_ratio is not None
+                                                    and math.isfinite(e.local_ratio)), default=0.0),
                                 "seconds": round(time.perf_counter() - t0, 2)}
                         case["detected"] = rep.verdict == "fail"
                         case["localized"] = case["detected"] and fd.get("blame_module") == blame
@@ -165,9 +168,11 @@ def print_tables(cases: list[dict[str, Any]], positions: list[str], sizes: list[
             row.append("-" if smallest is None else f"{smallest * 100:g}%")
             row.append(f"{sum(x['detected'] for x in ctl)}/{len(ctl)}")
             row.append(f"{max((x['worst'] for x in ctl), default=0.0):.2f}")
+            row.append(f"{max((x['worst_local'] for x in ctl), default=0.0):.2f}")
             rows.append(row)
     c.print_table(["dtype", "position"] + [f"{s * 100:g}%: detected · localized" for s in sizes]
-                  + ["smallest localized in >= 95%", "controls failed", "worst control ratio"], rows)
+                  + ["smallest localized in >= 95%", "controls failed", "worst control ratio",
+                     "worst control local ratio"], rows)
     print(f"\n{len(cases)} cases on {', '.join(models)}; {seconds:.0f} s")
 
 

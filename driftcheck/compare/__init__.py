@@ -102,7 +102,7 @@ class Comparison:
                      inheritance=Inheritance(index, norms),
                      allowances=Allowances(index, ledger, scales, magnitudes, decisions),
                      opinions=Opinions(self.measurer, kinks, alignment.local_map, alignment.truth_map, self.truth,
-                                       index=alignment.index),
+                                       index=alignment.index, tgt_map=tgt_map),
                      whole=self.whole)
 
     def judge_all(self, judge: Judge, alignment: Alignment) -> list[Entry]:

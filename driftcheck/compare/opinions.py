@@ -13,6 +13,7 @@ from driftcheck.compare.measure import Measurer
 from driftcheck.compare.roundoff import matmul_roundoff
 from driftcheck.gate.report import DRIFT, NONFINITE, OK
 from driftcheck.numerics import dtypes, floor as fl
+from driftcheck.numerics.update import update_error
 from driftcheck.store.keys import TraceKey
 from driftcheck.store.reader import TraceReader
 
@@ -46,8 +47,10 @@ class Opinions:
 
     def __init__(self, measurer: Measurer, kinks: Kinks, local_map: dict[TraceKey, TraceEntry],
                  truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None,
-                 index: DependencyIndex | None = None) -> None:
+                 index: DependencyIndex | None = None,
+                 tgt_map: dict[TraceKey, TraceEntry] | None = None) -> None:
         self.measurer, self.kinks = measurer, kinks
+        self.tgt_map = tgt_map or {}
         self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
         self.index = index
         self._outputs: dict[tuple[int, str, int], int] | None = None  # forward outputs per call
@@ -69,6 +72,8 @@ class Opinions:
         le = self.local_map.get(r.align)
         if le is None or list(le.shape) != list(r.shape) or not dtypes.is_float(le.dtype):
             return None
+        if r.phase == "optimizer" and r.slot_is("param"):
+            return self.update(r, le, limit)
         if "operand_u" in le.meta and r.phase == "backward" and r.slot_is("grad_output") \
                 and self.index is not None and any(
                     g.order < r.order for g in self.index.child_gins(Call(r.step, r.module, r.call))):
@@ -109,6 +114,32 @@ class Opinions:
         if flips is not None:
             out["kink_flips"] = flips
         return out
+
+    def update(self, r: TraceEntry, le: TraceEntry, limit: float) -> dict[str, Any] | None:
+        """The optimizer step's own error (record/update.py): the target's parameter after its
+        step against the step redone ideally from the target's own inputs, rounded to the
+        parameter's dtype (numerics/update.py). None where the target's parameter before the
+        step or after it is not held whole, or where torch's own host kernels at that dtype
+        were already outside what the judgement allows (an optimizer it does not model)."""
+        tgt = self.measurer.tgt
+        t = self.tgt_map.get(r.align)
+        before = self.tgt_map.get(TraceKey(r.step, "params", r.module, 0, r.slot))
+        noise = self.local_map.get(r.align.with_slot(r.slot.replace("param.", "param_noise.", 1)))
+        if t is None or before is None or not (t.has_tensor and before.has_tensor and le.has_tensor) \
+                or list(before.shape) != list(r.shape) or not dtypes.is_float(t.dtype):
+            return None
+        after, ideal, prior = tgt.tensor(t.raw), tgt.tensor(le.raw), tgt.tensor(before.raw)
+        if after is None or ideal is None or prior is None:
+            return None
+        if float(le.meta.get("ratio_at_dtype") or 0.0) > limit:
+            return None  # torch's own kernels at the dtype are outside the model: no judgement
+        moved = tgt.tensor(noise.raw) if noise is not None and noise.has_tensor else None
+        got = update_error(after, ideal, prior, moved, limit,
+                           float(le.meta.get("coherent_at_dtype") or 0.0))
+        ratio = got["ratio"]
+        status = DRIFT if ratio > limit else OK
+        return {"ratio": ratio, "status": status, "key": le.key, "floor": None,
+                "update": {k: v for k, v in got.items() if k != "ratio"}}
 
     def truth_run(self, r: TraceEntry, t: TraceEntry, fi: fl.FloorInputs, limit: float) -> dict[str, Any] | None:
         """TorchDynamo's accuracy rule against the float64 truth: the target is as good as the

@@ -185,9 +185,10 @@ def _decisive(e: Entry) -> str:
     if e.status == NONFINITE:
         return f"{where} has NaN/Inf the reference lacks"
     if e.ratio is not None and e.limit is not None and e.ratio <= e.limit and e.local_ratio is not None:
+        how = ("the step redone ideally from the target's own parameter, gradient and state"
+               if e.phase == "optimizer" else "the module's own error replayed on the reference's inputs")
         return (f"{where}: local ratio {_fmt_ratio(e.local_ratio)} > limit {e.limit:g} ({e.rule}, "
-                f"the module's own error replayed on the reference's inputs; propagated ratio "
-                f"{_fmt_ratio(e.ratio)} is within it)")
+                f"{how}; propagated ratio {_fmt_ratio(e.ratio)} is within it)")
     source = "truth run" if e.decided_by == "truth" else "propagated"
     return f"{where}: ratio {_fmt_ratio(e.ratio)} > limit {e.limit:g} ({e.rule}, {source})"
 

@@ -38,6 +38,7 @@ from driftcheck.record.metadata import run_metadata
 from driftcheck.record.selection import Selection
 from driftcheck.record.state import StateCapture, tied_parameters
 from driftcheck.record.tapping import GraphTaps, TapGradients
+from driftcheck.record.update import IdealUpdate
 from driftcheck.record.watch import LOSS_CODE, WatchLog, own_work
 from driftcheck.store.layout import rank_dir
 from driftcheck.store.writer import TraceWriter
@@ -113,6 +114,9 @@ class Tracer:
         self.forward = ForwardHooks(self.capture, self.calls, self.selection, self.watch,
                                     self.norms, self.backward, self.tap_grads, local=self.local,
                                     device=self.device, owner=self.state.owner)
+        # with the local replay, each parameter's step redone ideally on the host (eager devices)
+        self.update = IdealUpdate(optimizer, self.capture, self.state.owner, self.selection.module) \
+            if optimizer is not None and local is not None and self.counts is None else None
         self.graph_taps = GraphTaps(self.names, self.calls, self.selection.module, self.tap_grads,
                                     self.findings, enter=self.forward.enter,
                                     leave=self.forward.leave, spanning=self.backward.spanning,
@@ -147,6 +151,7 @@ class Tracer:
         structure of its parameters and buffers (always: an empty list is "nothing shared"), and
         the tied parameters (module, param) -> (owner, owner_param), if any."""
         replay = self.local.findings() if self.local is not None else []
+        replay += self.update.findings() if self.update is not None else []
         extra: dict[str, Any] = {"findings": self.findings + self.sync_findings() + replay, "aliases": self.aliases}
         if self.tied_params:
             extra["tied_params"] = self.tied_params
@@ -212,6 +217,8 @@ class Tracer:
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(
                 self.own(own_work(lambda opt, args, kwargs: self.state.after_update()))))
+        if self.update is not None:
+            self._handles.extend(self.update.attach())
         self.calls.active = True
         if self.compiled:
             self.norms.snapshot(self.graph_taps.by_name)
@@ -272,6 +279,8 @@ class Tracer:
             if self.norms.deferred or self.compiled:
                 self.norms.audit_deferred(self.graph_taps.by_name, self.calls.counts)
             self.forward.replay_compiled()
+            if self.update is not None:
+                self.update.flush()
         if self.counts is not None:  # the step's own sync point: its graph, captures included
             deferred.mark_step(self.device)
             self.capture.host_now = True  # the state now holds the data the step made

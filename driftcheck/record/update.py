@@ -1,0 +1,192 @@
+"""The optimizer step's own error: each parameter's update computed again, ideally, from the
+inputs the target's step consumed.
+
+A defect in the target's optimizer kernel (a fused AdamW a few percent off) hides in the
+propagated comparison: a parameter after the step differs from the reference's by the whole
+run's gradient drift, which an adaptive optimizer turns into sign flips of near-zero gradients,
+and the floor must allow those. What the step itself adds is seen directly by redoing it: just
+before the target's ``step()``, each parameter's step is replayed on the host in float32 (the
+parameter's own dtype where wider), from the target's own parameter, gradient and optimizer
+state, with the optimizer's own class and the group's hyperparameters (the learning rate a
+scheduler set for this step). ``compare`` judges the target's updated parameter against that
+ideal rounded to the parameter's dtype (numerics/update.py).
+
+The replay leaves nothing behind: it steps a fresh optimizer over host copies (no state, step
+counter or parameter of the run is touched), with the global optimizer hooks off (a user's, an
+injected fault's) and outside any dispatch or function mode around the step (an emulation, an
+audit). An optimizer that cannot step one parameter on its own (LBFGS wants a closure) leaves the
+run without the check, as the warning ``update.replay_failed``: never a failed record.
+
+Captured as phase ``optimizer``, slot ``local.param.<name>`` beside ``param.<name>``, under
+the module that owns the parameter. Recorded with the local replay (``--local``, ``run``'s
+default in full mode), on eagerly executing devices; a deferred device's (lazy, xla) step is
+one graph that a host copy in the middle would split.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.optim.optimizer as optim_hooks
+from torch.utils._python_dispatch import _disable_current_modes
+
+from driftcheck.numerics.update import update_error
+from driftcheck.store.keys import LOCAL_PREFIX
+
+# options that choose an implementation, not the arithmetic: the host replay takes the plain one
+NOISE = "param_noise."  # slot local.param_noise.<name>: the ideal's move per rounded input
+IMPLEMENTATION = {"foreach": False, "fused": False, "capturable": False, "differentiable": False}
+
+
+@contextlib.contextmanager
+def no_global_hooks() -> Iterator[None]:
+    """The global optimizer step hooks (``register_optimizer_step_pre_hook``) off."""
+    saved = (dict(optim_hooks._global_optimizer_pre_hooks), dict(optim_hooks._global_optimizer_post_hooks))
+    optim_hooks._global_optimizer_pre_hooks.clear()
+    optim_hooks._global_optimizer_post_hooks.clear()
+    try:
+        yield
+    finally:
+        optim_hooks._global_optimizer_pre_hooks.update(saved[0])
+        optim_hooks._global_optimizer_post_hooks.update(saved[1])
+
+
+def _host(v: Any) -> Any:
+    """A state value on the host: float tensors with elements in float64, scalars (a step
+    counter) as they are; anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        v = v.detach()
+        if v.is_floating_point() and v.dim() > 0:
+            return v.to("cpu", torch.float64, copy=True)
+        return v.to("cpu", copy=True)
+    return v
+
+
+def _one_step(cls: type, hyper: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
+              state: dict[str, Any]) -> torch.Tensor:
+    """``p`` after one step of a fresh ``cls`` with ``hyper``, ``grad`` and ``state`` (copies)."""
+    c = p.clone().requires_grad_(True)
+    c.grad = grad.clone()
+    accepted = inspect.signature(cls).parameters
+    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
+    replay = cls([c], **{k: v for k, v in hyper.items() if takes_any or k in accepted})
+    replay.param_groups[0].update(hyper)  # keys the constructor does not take (a group's name)
+    if state:
+        replay.state[c] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    replay.step()
+    return c.detach()
+
+
+def ideal_step(opt: torch.optim.Optimizer, group: dict[str, Any],
+               p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``p`` after one step of ``opt``'s algorithm with ``group``'s hyperparameters, from ``p``,
+    its gradient and its optimizer state as they are now, computed on the host in float64; how
+    much that result moves when each other input (the gradient, each state tensor) is rounded
+    once at ``p``'s precision (the sum over them of the moves, each input scaled by 1 + u in
+    turn): what a correct step's own arithmetic may add where its terms cancel (a momentum
+    buffer against a gradient); and the same step by torch's host kernels at ``p``'s own dtype
+    (one correct implementation at that precision: a decoupled weight decay rounds the
+    parameter between two roundings, a learning rate rounded to bf16 scales the update).
+    Raises what the optimizer raises."""
+    assert p.grad is not None
+    u = torch.finfo(p.dtype).eps / 2
+    hyper = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+             for k, v in group.items() if k != "params"}
+    hyper.update({k: v for k, v in IMPLEMENTATION.items() if k in hyper})
+    cls = type(opt)
+    own = opt.state.get(p) or {}
+    x = p.detach().to("cpu", torch.float64, copy=True)
+    g = p.grad.detach().to("cpu", torch.float64, copy=True)
+    state = {k: _host(v) for k, v in own.items()}
+    ideal = _one_step(cls, hyper, x, g, state)
+    moved = (_one_step(cls, hyper, x, g * (1 + u), state) - ideal).abs()
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point():
+            moved += (_one_step(cls, hyper, x, g, dict(state, **{k: v * (1 + u)})) - ideal).abs()
+    at_dtype = _one_step(cls, hyper, p.detach().to("cpu", copy=True), p.grad.detach().to("cpu", copy=True),
+                         {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                          for k, v in own.items()})
+    return ideal, moved, at_dtype
+
+
+class IdealUpdate:
+    """The step pre-hook that replays each selected parameter's step (:func:`ideal_step`) and
+    captures the result.
+
+    Args:
+        optimizer: the run's optimizer. capture: where the ideals go (record/capture.py).
+        owner: the (module, name) a parameter is recorded under, or None.
+        selected: whether a module path is captured.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, capture: Any,
+                 owner: Callable[[torch.Tensor], tuple[str, str] | None],
+                 selected: Callable[[str], bool]) -> None:
+        self.optimizer, self.capture, self.owner, self.selected = optimizer, capture, owner, selected
+        self.failed: tuple[int, str] | None = None
+        self.pending: list[tuple[str, str, torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        self._handle: Any = None
+
+    def attach(self) -> list[Any]:
+        """The step pre-hook (the replay) and a post-hook (:meth:`last`)."""
+        self._handle = self.optimizer.register_step_pre_hook(self.pre)
+        return [self._handle, self.optimizer.register_step_post_hook(self.post)]
+
+    def last(self) -> None:
+        """Ours the last of the optimizer's own pre-hooks (a user's gradient clipping registered
+        later runs before it): called outside the step, where the hooks are not being run."""
+        hooks = self.optimizer._optimizer_step_pre_hooks
+        if self._handle is not None and self._handle.id in hooks:
+            hooks[self._handle.id] = hooks.pop(self._handle.id)
+
+    def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.failed is not None or not self.capture.wants("optimizer"):
+            return
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch._C.DisableTorchFunction())
+            stack.enter_context(_disable_current_modes())
+            stack.enter_context(no_global_hooks())
+            stack.enter_context(self.capture.quiet())
+            stack.enter_context(torch.no_grad())
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    named = self.owner(p)
+                    if p.grad is None or p.grad.is_sparse or p.is_complex() or named is None \
+                            or not self.selected(named[0]) or not p.is_floating_point():
+                        continue
+                    try:
+                        ideal, moved, at_dtype = ideal_step(opt, group, p)
+                    except Exception as e:  # the optimizer's own refusal: no check, a warning
+                        self.failed = (self.capture.step, f"{type(e).__name__}: {str(e).strip()[:200]}")
+                        return
+                    wide = torch.promote_types(p.dtype, torch.float32)
+                    # what one correct implementation at the parameter's dtype shows (its scalars'
+                    # and intermediates' roundings), as compare will judge the target's
+                    host = update_error(at_dtype, ideal.to(wide), p.detach().to("cpu"), moved)
+                    meta = {"coherent_at_dtype": host.get("coherent", 0.0), "ratio_at_dtype": host["ratio"]}
+                    self.pending.append((*named, ideal.to(wide), moved.to(torch.bfloat16), meta))
+
+    def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.last()
+
+    def flush(self) -> None:
+        """The step's ideals captured: at the step's end, after every real capture (which keep
+        the order numbers they have without the replay)."""
+        for module, name, ideal, moved, meta in self.pending:
+            self.capture(module, "optimizer", 0, f"{LOCAL_PREFIX}param.{name}", ideal, copy=False, extra=meta)
+            self.capture(module, "optimizer", 0, f"{LOCAL_PREFIX}{NOISE}{name}", moved, copy=False)
+        self.pending = []
+
+    def findings(self) -> list[dict[str, Any]]:
+        """``update.replay_failed`` (a warning) where the optimizer refused the replay."""
+        if self.failed is None:
+            return []
+        step, err = self.failed
+        return [{"kind": "update.replay_failed", "severity": "warning", "module": "", "step": step,
+                 "message": f"replaying {type(self.optimizer).__name__}'s step per parameter raised {err}; "
+                            "the parameters' updates have no local error and are judged as propagated "
+                            "(the record itself is complete)"}]
+
