@@ -19,11 +19,12 @@ Two questions:
   the weighted least-squares coefficient c = sum(w e d) / sum(w d^2), each element weighted by
   how finely it resolves a share of its update (w = 1 / (q^2 + a^2), q its spacing,
   a = K_ARITH (u |d| + moved) its arithmetic's error). Rounding explains |c| up to:
-  ``C_COHERENT`` roundings at T of a scalar that scales the whole update (torch's CPU SGD at
-  bf16 rounds its learning rate to bf16: 0.1 becomes 0.10010, a coherent 0.1%); plus
-  ``K_HOST`` times what torch's own host kernels at T show on the same inputs (a decoupled
+  ``K_HOST`` times what torch's own host kernels at T show on the same inputs (its CPU SGD at
+  bf16 rounds the learning rate to bf16: 0.1 becomes 0.10010, a coherent 0.1%; a decoupled
   weight decay rounds the parameter between two roundings: norm weights all at 1.0 then flip
-  together, on the side their update's binade decides); plus ``Z`` standard errors of c.
+  together, on the side their update's binade decides); plus ``C_COHERENT`` rounding at T of
+  a scalar that scales the whole update, which another correct kernel may round where torch's
+  does not (a step size kept at bf16: up to 0.39%); plus ``Z`` standard errors of c.
   That is a bound, not a noise scale: ``coherent_ratio`` is on the policy's scale,
   limit * |c| / bound, over the limit exactly where |c| is beyond it (as the truth run's is).
 
@@ -37,9 +38,10 @@ from typing import Any
 import torch
 
 K_ARITH = 2.0  # roundings at T in a correct step's own arithmetic, relative to its update
-C_COHERENT = 2.0  # roundings at T of a scalar (a step size, a bias correction) that scale a correct update
+C_COHERENT = 1.0  # roundings at T of a scalar that scales a correct update, beyond the host's
 K_HOST = 2.0  # times the coherent share torch's host kernels at T show on the same inputs
 Z = 5.0  # standard errors of the coherent share that noise explains
+PSEUDO_MOVES = 3.0  # moves against the update assumed beyond those seen (a Poisson count's margin)
 
 
 def spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -85,13 +87,17 @@ def update_error(after: torch.Tensor, ideal: torch.Tensor, before: torch.Tensor,
     if wdd > 0.0:
         c = float((w * e * d).sum()) / wdd
         # the noise of c: a correct step's element moves by a spacing where its arithmetic
-        # carries it across a rounding boundary (probability ~ arith / q), either way; and as
-        # the elements show it, from the moves against their update only, twice (a defect's
-        # moves go with the update: they are the signal, not the noise)
-        flip = arith * q + arith * arith
+        # (one rounding of its update, or of its terms where larger) carries it across a boundary,
+        # probability ~ a1 / q, either way; and as the elements show it, from the moves against
+        # their update only, twice (a defect's moves go with the update: they are the signal,
+        # not the noise), with PSEUDO_MOVES more of the typical size where few are seen
+        a1 = torch.maximum(u * d.abs(), m)
+        flip = a1 * q + a1 * a1
         se_model = math.sqrt(float((w * w * flip * d * d).sum())) / wdd
-        against = (e * d) < 0
-        se_seen = math.sqrt(2.0 * float((w * w * e * e * d * d)[against].sum())) / wdd
+        wed2 = w * w * e * e * d * d
+        against, moving = (e * d) < 0, e != 0
+        typical = float(wed2[moving].mean()) if bool(moving.any()) else 0.0
+        se_seen = math.sqrt(2.0 * (float(wed2[against].sum()) + PSEUDO_MOVES * typical)) / wdd
         bound = C_COHERENT * u + K_HOST * abs(coherent_at_dtype) + Z * max(se_model, se_seen)
         # a bound, not a noise scale: on the policy's scale, over the limit exactly beyond it
         out.update(coherent=c, coherent_bound=bound, coherent_ratio=limit * abs(c) / bound)

@@ -163,8 +163,11 @@ class IdealUpdate:
                         self.failed = (self.capture.step, f"{type(e).__name__}: {str(e).strip()[:200]}")
                         return
                     wide = torch.promote_types(p.dtype, torch.float32)
-                    # what one correct implementation at the parameter's dtype shows (its scalars'
-                    # and intermediates' roundings), as compare will judge the target's
+                    # an element where one correct implementation at the dtype (torch's host
+                    # kernels) already lands elsewhere than the ideal rounded (a tie that its
+                    # rounded learning rate tips) is as fragile as that: its arithmetic's scale
+                    moved = torch.maximum(moved, (at_dtype.double() - ideal.to(p.dtype).double()).abs())
+                    # and what that implementation shows as a whole, as compare will judge the target
                     host = update_error(at_dtype, ideal.to(wide), p.detach().to("cpu"), moved)
                     meta = {"coherent_at_dtype": host.get("coherent", 0.0), "ratio_at_dtype": host["ratio"]}
                     self.pending.append((*named, ideal.to(wide), moved.to(torch.bfloat16), meta))
