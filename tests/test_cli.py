@@ -195,6 +195,26 @@ def test_cli_runs_no_full_garbage_collections(tmp_path):
     assert (tmp_path / "t" / "manifest.json").exists()
 
 
+def test_cli_process_exit_skips_the_final_collections():
+    """At the interpreter's exit the objects still alive are frozen (gc.freeze): the final
+    collections would walk torch's long-lived objects several times (~0.5 s a process, three
+    processes in a row in ``driftcheck run``). Only at exit: a process that calls ``main`` has
+    nothing frozen until then."""
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > 0))\n"
+        "from driftcheck.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print('frozen before exit', gc.get_freeze_count())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-2:] == ["frozen before exit 0", "frozen at exit True"]
+
+
 def test_run_checks_a_missing_target_device_before_recording(tmp_path):
     """A target device torch itself knows (cuda, mps, xpu) that this host lacks is refused before
     the reference is recorded (it used to be recorded first, then the target failed)."""
