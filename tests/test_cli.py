@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import ENV, dc
 
+from driftcheck.errors import DriftcheckError
+
 
 def one_line_error(p: subprocess.CompletedProcess) -> str:
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
@@ -193,6 +195,26 @@ def test_cli_runs_no_full_garbage_collections(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "full collections 0"
     assert (tmp_path / "t" / "manifest.json").exists()
+
+
+def test_cli_process_exit_skips_the_final_collections():
+    """At the interpreter's exit the objects still alive are frozen (gc.freeze): the final
+    collections would walk torch's long-lived objects several times (~0.5 s a process, three
+    processes in a row in ``driftcheck run``). Only at exit: a process that calls ``main`` has
+    nothing frozen until then."""
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > 0))\n"
+        "from driftcheck.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print('frozen before exit', gc.get_freeze_count())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-2:] == ["frozen before exit 0", "frozen at exit True"]
 
 
 def test_run_checks_a_missing_target_device_before_recording(tmp_path):
@@ -400,6 +422,36 @@ def test_a_side_waits_for_its_turn(monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     with pytest.raises(SystemExit):
         run_mod.wait_for_turn()
+
+
+def test_a_side_is_followed_to_its_complete_trace_then_to_its_end(monkeypatch):
+    """The reference's trace is complete (its record says so) before its process has ended: the
+    sides waiting for it get their "go" then, not after its interpreter's exit. Its end is still
+    followed: a failure after the trace is complete fails the run in one line; a record that
+    never says its trace is complete is followed to its end, as before."""
+    import driftcheck.record.run as run_mod
+
+    popen = subprocess.Popen
+
+    def side(code: str) -> run_mod.SideProcess:  # a stand-in for the record process
+        monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: popen([sys.executable, "-c", code], **kw))
+        return run_mod.SideProcess([], "reference", False, None, gated=True)
+
+    say = "import sys; w = sys.stderr.write; w('{p}1/1 3 40\\n'); w('{p}{c}\\n'); sys.stderr.flush(); "
+    say = say.format(p=run_mod.PROGRESS_PREFIX, c=run_mod.COMPLETE)
+    ended = side(say + "sys.stdin.readline(); w('the end broke\\n'); sys.exit(1)")
+    ended.wait_complete()  # returns while the process still runs: it waits for a line
+    assert ended.proc.poll() is None and ended.steps == "1/1"
+    ended.go()
+    with pytest.raises(DriftcheckError, match="the reference record failed: the end broke"):
+        ended.finish()
+    ended.stop()
+    quiet = side("import sys; sys.stderr.write('it broke\\n'); sys.exit(1)")
+    quiet.wait_complete()  # no such line: its end
+    assert quiet.proc.wait() == 1
+    with pytest.raises(DriftcheckError, match="it broke"):
+        quiet.finish()
+    quiet.stop()
 
 
 def test_sides_share_one_string_hash_seed(tmp_path):

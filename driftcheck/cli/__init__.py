@@ -6,6 +6,7 @@ CPU/CUDA reference never autoloads torch_tpu.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import sys
 
@@ -25,13 +26,30 @@ def main(argv: list[str] | None = None) -> None:
     No full (generation-2) garbage collections while a command runs; the young generations are
     still collected as usual. Importing torch, numba and transformers leaves ~300k long-lived
     objects and every full collection walks them all: ~1 s of a 60-step record or of a compare
-    of it (25% and 16%, same peak memory; docs/performance.md)."""
+    of it (25% and 16%, same peak memory; docs/performance.md).
+
+    At the interpreter's exit, none either: it would walk them several times over (~0.5 s of a
+    process that imported torch, ~0.6 s with torch's compiler front end: three such processes
+    end one after the other in ``driftcheck run``), and the OS reclaims the memory anyway."""
+    _skip_collections_at_exit()
     threshold = gc.get_threshold()
     gc.set_threshold(threshold[0], threshold[1], 1 << 30)
     try:
         _main(argv)
     finally:
         gc.set_threshold(*threshold)  # main() called in-process (tests) leaves it as it was
+
+
+_exit_hook: list[bool] = []
+
+
+def _skip_collections_at_exit() -> None:
+    """Freeze every object still alive when the interpreter exits (``gc.freeze``): its final
+    collections then skip them. Registered once, at a command's first call; ``atexit`` runs it
+    only when the process ends, so a test process that calls ``main`` is untouched until then."""
+    if not _exit_hook:
+        _exit_hook.append(True)
+        atexit.register(gc.freeze)
 
 
 def _main(argv: list[str] | None) -> None:

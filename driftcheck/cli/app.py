@@ -3,7 +3,6 @@ argument parsers, and writing a report's outputs. Exit codes: 0 pass, 1 gate fai
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import click
 
 from driftcheck.errors import DriftcheckError
+from driftcheck.gate.jsonform import dumps
 from driftcheck.store.remote import is_url, write_url
 from driftcheck.version import __version__
 
@@ -227,7 +227,7 @@ def write_outputs(report: Any, json_path: str | None, html_path: str | None,
             raise DriftcheckError(f"cannot write {path}: {e.strerror}") from None
 
     if json_path:
-        write(json_path, json.dumps(report.to_dict(), indent=1, allow_nan=False, default=str))
+        write(json_path, dumps(report.to_dict()))  # json.dumps(..., indent=1, allow_nan=False, default=str)
     if html_path:
         from driftcheck.report.html import render_html
 

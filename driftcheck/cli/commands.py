@@ -38,7 +38,7 @@ from driftcheck.cli.app import (
 )
 from driftcheck.cli.long import compare_long_cmd, long_options, record_long_cmd
 from driftcheck.errors import DriftcheckError
-from driftcheck.record.run import PROGRESS_PREFIX, PROGRESS_VAR, progress_words, wait_for_turn
+from driftcheck.record.run import COMPLETE, PROGRESS_PREFIX, PROGRESS_VAR, progress_words, wait_for_turn
 from driftcheck.store.remote import is_url, read_url
 
 
@@ -189,6 +189,8 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
             dist_backend=dist_backend, on_written=on_written,
             emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_,
             mkldnn=None if mkldnn is None else mkldnn == "on")))
+    if lines:  # a side waiting for this trace may start now, while this process ends
+        click.echo(f"{PROGRESS_PREFIX}{COMPLETE}", err=True)
     _say_recorded(obj, out if is_url(out) else recorded, simulate)
 
 
@@ -217,6 +219,8 @@ def _matmul_settings(emulate: str | None, matmul_precision: str | None, device: 
 
 def _say_recorded(obj: Ctx, out: str, simulate: str | None) -> None:
     """What the record holds: its size and findings; a --simulate that changed nothing."""
+    if obj.quiet and not simulate:
+        return  # nothing to say: the trace is not read back
     from driftcheck.report.common import module_label
     from driftcheck.store import TraceReader
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from driftcheck.gate.jsonform import clean
+from driftcheck.gate.jsonform import plain
 
 
 @dataclasses.dataclass
@@ -25,7 +25,7 @@ class Finding:
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = clean(dataclasses.asdict(self))
+        d = plain(self)  # clean(dataclasses.asdict(self)), without its deep copies
         if d["gate"] is None:  # not judged yet (a trace's own findings, in its manifest)
             del d["gate"]
         return d

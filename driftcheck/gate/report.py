@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from driftcheck.gate.finding import Finding
-from driftcheck.gate.jsonform import as_float, clean, num, unnum
+from driftcheck.gate.jsonform import as_float, clean, num, plain, unnum
 from driftcheck.gate.policy import Policy, gate_state
 
 __all__ = ["DRIFT", "IGNORED", "MISALIGNED", "NONFINITE", "OK", "SCHEMA", "Entry", "Finding", "Report",
@@ -48,7 +48,7 @@ class Entry:
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return clean(dataclasses.asdict(self))
+        return plain(self)  # clean(dataclasses.asdict(self)), without its deep copies
 
 
 @dataclasses.dataclass

@@ -142,10 +142,9 @@ class Gate:
                                         autocast=self.autocast, local=golden if local else None,
                                         model_id=model_id))
         report = compare(str(golden), str(target), policy=Policy.load(search_dir=str(self.root)), limit=limit)
-        import json
+        from driftcheck.gate.jsonform import dumps
 
-        (out / "report.json").write_text(json.dumps(report.to_dict(), indent=1, allow_nan=False,
-                                                    default=str), encoding="utf-8")
+        (out / "report.json").write_text(dumps(report.to_dict()), encoding="utf-8")
         (out / "report.html").write_text(render_html(report), encoding="utf-8")
         (out / "junit.xml").write_text(render_junit(report), encoding="utf-8")
         (out / "summary.md").write_text(render_markdown(report), encoding="utf-8")

@@ -135,9 +135,11 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     try:
         if on_started is not None:
             on_started()
-        reference.finish()
+        # the reference's trace is complete before its process has ended: the others record now
+        reference.wait_complete()
         for side in later:
             side.go()
+        reference.finish()
         for side in later:
             side.finish()
     finally:
@@ -189,6 +191,7 @@ def side_env(sides: Sides, spec: str) -> dict[str, str]:
 
 PROGRESS_VAR = "DRIFTCHECK_PROGRESS"  # "lines": record prints PROGRESS_PREFIX i/n on stderr
 PROGRESS_PREFIX = "driftcheck-progress: "
+COMPLETE = "complete"  # PROGRESS_PREFIX + COMPLETE: the trace is closed (its manifest written)
 
 
 def env_args(env: dict[str, str]) -> list[str]:
@@ -255,6 +258,7 @@ class SideProcess:
         self.started = time.monotonic()
         self.task = None
         self.steps = self.written = ""
+        self.lines: list[str] = []  # its stderr but the progress lines: its message
 
     def go(self) -> None:
         """The reference is complete: this side records now (it may have failed already: then
@@ -266,22 +270,20 @@ class SideProcess:
         except (BrokenPipeError, OSError):
             pass
 
+    def wait_complete(self) -> None:
+        """Follow the side until its trace is complete (or its process has ended: ``finish``
+        says how); its process may still be exiting."""
+        self._follow(until_complete=True)
+
     def finish(self) -> None:
         """Follow the side to its end; its failure as one line (DriftcheckError)."""
-        if self.progress is not None:
-            self.task = self.progress.add_task(f"recording {self.label}", total=None)
-        lines = []
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            if line.startswith(PROGRESS_PREFIX):
-                self._advance(line[len(PROGRESS_PREFIX):].split())
-            else:
-                lines.append(line)
+        self._follow(until_complete=False)
         self.proc.wait()
         if self.task is not None:
             self.progress.remove_task(self.task)
+            self.task = None
         if self.proc.returncode != 0:
-            stderr = "".join(lines)
+            stderr = "".join(self.lines)
             msg = (stderr.strip().splitlines() or ["(no message)"])[-1]
             if self.debug:
                 sys.stderr.write(stderr)
@@ -289,6 +291,19 @@ class SideProcess:
         if self.say is not None and self.steps:
             self.say(f"recorded {self.label}: {self.steps} steps, {self.written} "
                      f"in {time.monotonic() - self.started:.1f} s")
+
+    def _follow(self, until_complete: bool) -> None:
+        if self.progress is not None and self.task is None:
+            self.task = self.progress.add_task(f"recording {self.label}", total=None)
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if not line.startswith(PROGRESS_PREFIX):
+                self.lines.append(line)
+            elif line[len(PROGRESS_PREFIX):].strip() == COMPLETE:
+                if until_complete:
+                    return
+            else:
+                self._advance(line[len(PROGRESS_PREFIX):].split())
 
     def _advance(self, fields: list[str]) -> None:
         done, _, total = fields[0].partition("/") if fields else ("", "", "")

@@ -74,6 +74,28 @@ def test_compare_writes_each_limit_and_gate_and_renderers_only_read_them(traces)
     assert "limit 100" not in render_junit(rep) and "limit 5" in render_junit(rep)
 
 
+def test_json_form_of_a_real_report_is_what_asdict_and_json_dumps_made(traces):
+    """Entries and findings are turned into dicts directly, the report's JSON text written by
+    jsonform.dumps (both faster): the same dicts as clean(dataclasses.asdict(...)) and the same
+    text as json.dumps(..., indent=1, allow_nan=False, default=str), on a compare's report."""
+    import dataclasses
+
+    from driftcheck.compare import compare
+    from driftcheck.gate.jsonform import clean, dumps
+
+    rep = compare(traces["llama"]["fp32"], traces["llama"]["bf16"])
+    assert rep.entries and rep.findings
+    for e in rep.entries:
+        assert e.to_dict() == clean(dataclasses.asdict(e))
+    for f in rep.findings:
+        old = clean(dataclasses.asdict(f))
+        if old["gate"] is None:
+            del old["gate"]
+        assert f.to_dict() == old
+    doc = rep.to_dict()
+    assert dumps(doc) == json.dumps(doc, indent=1, allow_nan=False, default=str)
+
+
 def test_a_report_saved_without_limits_gets_them_from_its_policy():
     """A report JSON from before limits and gates were written: loading it applies its embedded
     policy once (an override, an ignore rule), so the renderers still only read."""
