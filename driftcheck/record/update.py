@@ -65,51 +65,71 @@ def _host(v: Any) -> Any:
     return v
 
 
-def _one_step(cls: type, hyper: dict[str, Any], p: torch.Tensor, grad: torch.Tensor,
-              state: dict[str, Any]) -> torch.Tensor:
-    """``p`` after one step of a fresh ``cls`` with ``hyper``, ``grad`` and ``state`` (copies)."""
-    c = p.clone().requires_grad_(True)
-    c.grad = grad.clone()
+def _steps(cls: type, hyper: dict[str, Any], ps: list[torch.Tensor], grads: list[torch.Tensor],
+           states: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """``ps`` after one step of a fresh ``cls`` with ``hyper`` (one group), their ``grads`` and
+    ``states`` (copies; none of them changes)."""
+    cs = [p.clone().requires_grad_(True) for p in ps]
+    for c, g in zip(cs, grads):
+        c.grad = g.clone()
     accepted = inspect.signature(cls).parameters
     takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values())
-    replay = cls([c], **{k: v for k, v in hyper.items() if takes_any or k in accepted})
+    replay = cls(cs, **{k: v for k, v in hyper.items() if takes_any or k in accepted})
     replay.param_groups[0].update(hyper)  # keys the constructor does not take (a group's name)
-    if state:
-        replay.state[c] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    for c, state in zip(cs, states):
+        if state:
+            replay.state[c] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     replay.step()
-    return c.detach()
+    return [c.detach() for c in cs]
 
 
-def ideal_step(opt: torch.optim.Optimizer, group: dict[str, Any],
-               p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``p`` after one step of ``opt``'s algorithm with ``group``'s hyperparameters, from ``p``,
-    its gradient and its optimizer state as they are now, computed on the host in float64; how
-    much that result moves when each other input (the gradient, each state tensor) is rounded
-    once at ``p``'s precision (the sum over them of the moves, each input scaled by 1 + u in
-    turn): what a correct step's own arithmetic may add where its terms cancel (a momentum
-    buffer against a gradient); and the same step by torch's host kernels at ``p``'s own dtype
+def _perturbable(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
+
+
+def ideal_steps(opt: torch.optim.Optimizer, group: dict[str, Any],
+                params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each of ``params`` (of ``group``, each with a gradient): the parameter after one step
+    of ``opt``'s algorithm with the group's hyperparameters, from the parameter, its gradient and
+    its optimizer state as they are now, computed on the host in float64; how much that result
+    moves when each other input (the gradient, each state tensor) is rounded once at the
+    parameter's precision (the sum over them of the moves, each input scaled by 1 + u in turn):
+    what a correct step's own arithmetic may add where its terms cancel (a momentum buffer
+    against a gradient); and the same step by torch's host kernels at the parameter's own dtype
     (one correct implementation at that precision: a decoupled weight decay rounds the
-    parameter between two roundings, a learning rate rounded to bf16 scales the update).
-    Raises what the optimizer raises."""
-    assert p.grad is not None
-    u = torch.finfo(p.dtype).eps / 2
+    parameter between two roundings, a learning rate rounded to bf16 scales the update). One
+    replay of the whole list per question (the parameters' steps are independent of each other
+    in every per-parameter optimizer). Raises what the optimizer raises."""
     hyper = {k: (float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
              for k, v in group.items() if k != "params"}
     hyper.update({k: v for k, v in IMPLEMENTATION.items() if k in hyper})
     cls = type(opt)
-    own = opt.state.get(p) or {}
-    x = p.detach().to("cpu", torch.float64, copy=True)
-    g = p.grad.detach().to("cpu", torch.float64, copy=True)
-    state = {k: _host(v) for k, v in own.items()}
-    ideal = _one_step(cls, hyper, x, g, state)
-    moved = (_one_step(cls, hyper, x, g * (1 + u), state) - ideal).abs()
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point():
-            moved += (_one_step(cls, hyper, x, g, dict(state, **{k: v * (1 + u)})) - ideal).abs()
-    at_dtype = _one_step(cls, hyper, p.detach().to("cpu", copy=True), p.grad.detach().to("cpu", copy=True),
-                         {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                          for k, v in own.items()})
-    return ideal, moved, at_dtype
+    owns = [opt.state.get(p) or {} for p in params]
+    us = [torch.finfo(p.dtype).eps / 2 for p in params]
+    xs = [p.detach().to("cpu", torch.float64, copy=True) for p in params]
+    gs = [p.grad.detach().to("cpu", torch.float64, copy=True) for p in params]  # type: ignore[union-attr]
+    states = [{k: _host(v) for k, v in own.items()} for own in owns]
+    ideals = _steps(cls, hyper, xs, gs, states)
+    moved = [(y - i).abs() for y, i in zip(_steps(cls, hyper, xs, [g * (1 + u) for g, u in zip(gs, us)], states),
+                                          ideals)]
+    for k in sorted({k for st in states for k, v in st.items() if _perturbable(v)}):
+        bumped = [dict(st, **{k: st[k] * (1 + u)}) if _perturbable(st.get(k)) else st for st, u in zip(states, us)]
+        for m, y, i in zip(moved, _steps(cls, hyper, xs, gs, bumped), ideals):
+            m += (y - i).abs()
+    at_dtype = _steps(cls, hyper, [p.detach().to("cpu", copy=True) for p in params],
+                      [p.grad.detach().to("cpu", copy=True) for p in params],  # type: ignore[union-attr]
+                      [{k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in own.items()} for own in owns])
+    return list(zip(ideals, moved, at_dtype))
+
+
+def ideal_step(opt: torch.optim.Optimizer, group: dict[str, Any],
+               p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ideal_steps` of one parameter."""
+    return ideal_steps(opt, group, [p])[0]
+
+
+BATCH_ELEMS = 1 << 24  # parameters replayed together: at most this many elements (float64 copies)
 
 
 class IdealUpdate:
@@ -152,25 +172,34 @@ class IdealUpdate:
             stack.enter_context(self.capture.quiet())
             stack.enter_context(torch.no_grad())
             for group in opt.param_groups:
-                for p in group["params"]:
-                    named = self.owner(p)
-                    if p.grad is None or p.grad.is_sparse or p.is_complex() or named is None \
-                            or not self.selected(named[0]) or not p.is_floating_point():
-                        continue
+                todo = [(p, named) for p in group["params"] for named in [self.owner(p)]
+                        if p.grad is not None and not p.grad.is_sparse and p.is_floating_point()
+                        and not p.is_complex() and named is not None and self.selected(named[0])]
+                while todo:
+                    batch: list[tuple[torch.Tensor, tuple[str, str]]] = []
+                    n = 0
+                    while todo and (not batch or n + todo[0][0].numel() <= BATCH_ELEMS):
+                        batch.append(todo.pop(0))
+                        n += batch[-1][0].numel()
                     try:
-                        ideal, moved, at_dtype = ideal_step(opt, group, p)
+                        got = ideal_steps(opt, group, [p for p, _ in batch])
                     except Exception as e:  # the optimizer's own refusal: no check, a warning
                         self.failed = (self.capture.step, f"{type(e).__name__}: {str(e).strip()[:200]}")
                         return
-                    wide = torch.promote_types(p.dtype, torch.float32)
-                    # an element where one correct implementation at the dtype (torch's host
-                    # kernels) already lands elsewhere than the ideal rounded (a tie that its
-                    # rounded learning rate tips) is as fragile as that: its arithmetic's scale
-                    moved = torch.maximum(moved, (at_dtype.double() - ideal.to(p.dtype).double()).abs())
-                    # and what that implementation shows as a whole, as compare will judge the target
-                    host = update_error(at_dtype, ideal.to(wide), p.detach().to("cpu"), moved)
-                    meta = {"coherent_at_dtype": host.get("coherent", 0.0), "ratio_at_dtype": host["ratio"]}
-                    self.pending.append((*named, ideal.to(wide), moved.to(torch.bfloat16), meta))
+                    for (p, named), (ideal, moved, at_dtype) in zip(batch, got):
+                        self._judged(p, named, ideal, moved, at_dtype)
+
+    def _judged(self, p: torch.Tensor, named: tuple[str, str], ideal: torch.Tensor, moved: torch.Tensor,
+                at_dtype: torch.Tensor) -> None:
+        wide = torch.promote_types(p.dtype, torch.float32)
+        # an element where one correct implementation at the dtype (torch's host kernels)
+        # already lands elsewhere than the ideal rounded (a tie that its rounded learning rate
+        # tips) is as fragile as that: its arithmetic's scale
+        moved = torch.maximum(moved, (at_dtype.double() - ideal.to(p.dtype).double()).abs())
+        # and what that implementation shows as a whole, as compare will judge the target
+        host = update_error(at_dtype, ideal.to(wide), p.detach().to("cpu"), moved)
+        meta = {"coherent_at_dtype": host.get("coherent", 0.0), "ratio_at_dtype": host["ratio"]}
+        self.pending.append((*named, ideal.to(wide), moved.to(torch.bfloat16), meta))
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.last()
