@@ -357,7 +357,8 @@ def worker(args: argparse.Namespace) -> int:
         signal.alarm(args.timeout)
         try:
             res = run_arch(name, args.work, modes, compile=args.compile,
-                           controls=tuple(args.controls.split(",")) if args.controls else tuple(CONTROLS))
+                           controls=tuple(args.controls.split(",")) if args.controls else tuple(CONTROLS),
+                           locals_=(True,) if args.local_only else (True, False))
         except ArchTimeout as e:
             res = {"name": name, "family": CATALOGUE[name][0], "status": "timeout", "error": str(e),
                    "secs": float(args.timeout), "controls": [], "faults": []}
@@ -398,6 +399,8 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="scratch folder for the traces")
     ap.add_argument("--resume", metavar="DIR", help="per-architecture results folder: results "
                     "already in it are kept (an interrupted run goes on), new ones written there")
+    ap.add_argument("--local-only", action="store_true",
+                    help="record the targets with the local replay only (not also without it)")
     ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

@@ -38,7 +38,8 @@ def run_workers(names: list[str], args: argparse.Namespace, script: Path,
     cmd = [sys.executable, str(script), "--worker", "--results", str(resdir), "--modes", args.modes,
            "--timeout", str(args.timeout)] + (["--work", args.work] if args.work else []) + (
            ["--compile", args.compile] if getattr(args, "compile", None) else []) + (
-           ["--controls", args.controls] if getattr(args, "controls", None) else [])
+           ["--controls", args.controls] if getattr(args, "controls", None) else []) + \
+        (["--local-only"] if getattr(args, "local_only", False) else [])
 
     def spawn(i: int) -> subprocess.Popen:
         log = open(resdir / f"worker-{i}.log", "ab")
