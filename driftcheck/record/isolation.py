@@ -51,11 +51,19 @@ class ModuleState:
 def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
               leaves: list[tuple[str, torch.Tensor]]) -> tuple[tuple, dict]:
     """Fresh leaves requiring grad for the inputs ``needs_grad`` names (into ``leaves``); the
-    module sees a non-leaf copy so in-place modules (ReLU(inplace=True)) may write into it."""
+    module sees a non-leaf copy so in-place modules (ReLU(inplace=True)) may write into it. One
+    tensor in several inputs is one leaf, its gradient the sum of its uses, listed under the
+    last of those inputs (as the recorded gradient is: record/autograd.py)."""
+    made: dict[int, torch.Tensor] = {}
+
     def as_leaf(slot: str, t: torch.Tensor) -> torch.Tensor:
         if slot not in needs_grad:
             return t
-        leaf = t.detach().requires_grad_(True)
+        leaf = made.get(id(t))
+        if leaf is None:
+            leaf = made[id(t)] = t.detach().requires_grad_(True)
+        else:
+            leaves[:] = [(s, x) for s, x in leaves if x is not leaf]
         leaves.append((slot, leaf))
         return leaf.clone()
     args, kwargs = args_kwargs

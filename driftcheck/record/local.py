@@ -208,7 +208,9 @@ class LocalReplay:
         def one_pass(noise: bool) -> dict[tuple, torch.Tensor] | None:
             for c in children:
                 c.done = False
-            fresh = substitute(refs, "input", lambda _s, t: t.clone())
+            copies: dict[int, torch.Tensor] = {}  # one tensor in several inputs stays one
+            fresh = substitute(refs, "input", lambda _s, t: copies.get(id(t)) if id(t) in copies
+                               else copies.setdefault(id(t), t.clone()))
             return self._own_pass(step, name, call, module, fresh, children, swaps, mark, rng,
                                   needs_grad if backward else None, noise)
         results = one_pass(False)
@@ -257,8 +259,10 @@ class LocalReplay:
         try:
             with self._isolated(swaps, mark, rng), torch.set_grad_enabled(needs_grad is not None), mode:
                 if operand is not None:
-                    r_args, r_kwargs = substitute((r_args, r_kwargs), "input",
-                                                  lambda _s, t: operand(t) if t.is_floating_point() else t)
+                    rounded: dict[int, torch.Tensor] = {}  # one tensor in several inputs stays one
+                    r_args, r_kwargs = substitute((r_args, r_kwargs), "input", lambda _s, t: (
+                        rounded.get(id(t)) if id(t) in rounded else rounded.setdefault(
+                            id(t), operand(t) if t.is_floating_point() else t)))
                 answers.install()
                 try:
                     out = module(*r_args, **r_kwargs)
@@ -281,10 +285,16 @@ class LocalReplay:
         the live one's dtype, on its device, in its layout), or None where one is missing.
         ``needs_grad`` receives the slots of the live inputs that require grad."""
         missing: list[str] = []
+        # one live tensor passed as several inputs (attention's (h, h, h)) is one replayed
+        # tensor too: its gradient is the sum of its uses, as the recorded one (record/autograd.py)
+        same: dict[Any, torch.Tensor] = {}
 
         def ref_input(slot: str, t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad and t.is_floating_point():
                 needs_grad.add(slot)
+            key = (id(t.grad_fn), t.output_nr) if t.grad_fn is not None else id(t)
+            if key in same:
+                return same[key]
             r = self.tensor(step, "forward", name, call, slot)
             if r is None or tuple(r.shape) != tuple(t.shape):
                 missing.append(slot)
@@ -292,9 +302,8 @@ class LocalReplay:
             r = r.to(device=t.device, dtype=t.dtype) if t.is_floating_point() else r.to(t.device)
             # laid out as the live input (a channels_last map): a kernel may take another path,
             # and sum in another order, on another layout (diffusers' GroupNorm: 72 u apart)
-            if t.layout != torch.strided:
-                return r.clone()
-            return torch.empty_like(t, dtype=r.dtype).copy_(r)
+            same[key] = r.clone() if t.layout != torch.strided else torch.empty_like(t, dtype=r.dtype).copy_(r)
+            return same[key]
 
         r_args = substitute(args, "input", ref_input)
         r_kwargs = substitute(kwargs, "input", ref_input)

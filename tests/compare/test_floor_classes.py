@@ -1100,3 +1100,35 @@ def test_a_norm_layout_that_does_not_fit_is_refused_or_ignored(tmp_path):
     path.write_text(json.dumps(manifest))
     e = next(x for x in compare(ref, tgt).entries if x.key == entry["key"])
     assert e.ratio is not None and "norm_propagated" not in e.details
+
+
+# -- one tensor passed as several inputs: attention's (h, h, h) --------------------------------------
+
+class _SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.ln(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(a + x)
+
+
+@pytest.mark.parametrize("dtype,threads", [("fp32", (1, 2)), ("bf16", None)])
+def test_one_tensor_as_several_inputs_replays_as_one(tmp_path, dtype, threads):
+    """The recorded input gradient of h is the sum over its three uses (under the last input);
+    the composite's replay takes it as one tensor too, not three with a share each (tv_vit,
+    hf_funnel, hf_mobilebert: local ratios 1e2-1e7 on clean runs)."""
+    rep = _pair(tmp_path, lambda: _scenario(_SelfAttention, (2, 5, 16)), dtype=dtype, threads=threads)
+    assert rep.verdict == "pass", [(e.key, e.ratio, e.local_ratio) for e in _worst(rep)]
+    own = [e for e in rep.entries if e.module == "attn" and e.slot == "grad_input.2" and e.local_ratio is not None]
+    assert own and max(e.local_ratio for e in own) < rep.limit / 2
+
+
+def test_one_tensor_as_several_inputs_still_catches_a_fault(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_SelfAttention, (2, 5, 16)), dtype="bf16",
+                hooks=scale_output("attn", 1.05))  # its out_proj is not called as a module
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "attn"
