@@ -144,6 +144,8 @@ class ForwardHooks:
             if kid is not None:
                 kid.output = output
                 kid.mask_end = self.local.mask_index()
+                given = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+                kid.passed = {o: i for o, t in outputs for i, x in given if t is x}
         if not self.selection.module(name):
             return call
         ctx, dev_meta = self._call_meta(name, module, args, self.calls.top)

@@ -65,9 +65,18 @@ def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
         else:
             leaves[:] = [(s, x) for s, x in leaves if x is not leaf]
         leaves.append((slot, leaf))
-        return leaf.clone()
+        given = leaf.clone()
+        given._driftcheck_input = True  # type: ignore[attr-defined]  # returned as is: passed_through()
+        return given
     args, kwargs = args_kwargs
     return substitute(args, "input", as_leaf), substitute(kwargs, "input", as_leaf)
+
+
+def passed_through(t: torch.Tensor) -> bool:
+    """Whether a replay's output is an input the module was given, returned as it is (a
+    Bottleneck's ``hidden_states``, an attention's ``position_bias``): its gradient reaches the
+    input outside the module's code, which the recorded input gradient does not hold."""
+    return bool(getattr(t, "_driftcheck_input", False))
 
 
 def fork_rng(dev: torch.device) -> Any:

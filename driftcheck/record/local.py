@@ -44,6 +44,7 @@ from driftcheck.record.isolation import (
     drew,
     fork_rng,
     ours,
+    passed_through,
     rng_state,
     set_rng_state,
 )
@@ -332,7 +333,7 @@ class LocalReplay:
         pairs = []
         for slot, t in outs:
             g = self.tensor(*at.with_slot("grad_" + slot))
-            if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
+            if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape) and not passed_through(t):
                 g = g.to(device=t.device, dtype=t.dtype)
                 pairs.append((t, g))
                 # The recorded gradient of an output is its total: where the module also

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from driftcheck.nested import flatten, substitute
+from driftcheck.record.isolation import passed_through
 from driftcheck.store.keys import LOCAL_PREFIX
 
 Capture = tuple[str, int, str, str, torch.Tensor]  # (module, call, phase, slot, tensor)
@@ -40,6 +41,7 @@ class ChildCall:
     output: Any = None  # the real call's output (its structure; tensors replaced in the replay)
     mask_end: int | None = None  # the dropout stream's index when the call returned
     done: bool = False
+    passed: dict[str, str] = dataclasses.field(default_factory=dict)  # output slot -> the input it is
 
 
 class Abort(Exception):
@@ -102,7 +104,13 @@ class Children:
                                       t.detach().clone()))
         outs = list(flatten(c.output, "output"))
         ref: dict[str, torch.Tensor] = {}
+        given = dict(inputs)
         for slot, t in outs:
+            if given.get(c.passed.get(slot, "")) is not None:
+                # an input the child returned as it is: the parent's own tensor, whose gradient
+                # reaches it outside the child's code (the child's recorded input gradient lacks it)
+                ref[slot] = given[c.passed[slot]]
+                continue
             r = self.lookup("forward", c.name, c.call, slot)
             if r is None or tuple(r.shape) != tuple(t.shape):
                 if t.is_floating_point():
@@ -112,7 +120,7 @@ class Children:
                 else r.to(device=t.device, dtype=t.dtype)
         if self.dropout is not None and c.mask_end is not None:
             self.dropout.index = c.mask_end  # the masks the real child call drew
-        float_slots = [s for s, t in outs if s in ref and t.is_floating_point()]
+        float_slots = [s for s, t in outs if s in ref and t.is_floating_point() and s not in c.passed]
         grads_of = [(s, t) for s, t in inputs if t.requires_grad and t.is_floating_point()]
         if not float_slots:
             return substitute(c.output, "output", lambda s, t: ref.get(s, t))
@@ -170,7 +178,7 @@ def own_backward(outs: list[tuple[str, torch.Tensor]], ref_grad: Any, leaves: li
     pairs = []
     for slot, t in outs:
         g = ref_grad("grad_" + slot)
-        if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape):
+        if t.requires_grad and g is not None and tuple(g.shape) == tuple(t.shape) and not passed_through(t):
             g = g.to(device=t.device, dtype=t.dtype)
             g = operand(g) if operand is not None else g
             pairs.append((t, g))

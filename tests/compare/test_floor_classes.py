@@ -1132,3 +1132,45 @@ def test_one_tensor_as_several_inputs_still_catches_a_fault(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_SelfAttention, (2, 5, 16)), dtype="bf16",
                 hooks=scale_output("attn", 1.05))  # its out_proj is not called as a module
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "attn"
+
+
+# -- an input returned as it is: MobileBERT's Bottleneck, WavLM's position_bias ---------------------
+
+class _PassThrough(nn.Module):
+    """Returns its input beside what it computes from it (MobileBERT's Bottleneck)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, h):
+        return h, torch.tanh(self.inner(h))
+
+
+class _UsesPassThrough(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.block = _PassThrough()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h, b = self.block(self.ln(x))
+        return self.head(h * b + h)
+
+
+@pytest.mark.parametrize("dtype,threads", [("fp32", (1, 2)), ("bf16", None)])
+def test_an_input_returned_as_an_output_replays_without_its_outside_gradient(tmp_path, dtype, threads):
+    """The recorded input gradient of the block holds its own code's share only (the returned
+    input's gradient reaches it outside the call); the replay must not add that share (clean
+    hf_mobilebert and hf_wavlm failed at local ratios 2e2-2e7)."""
+    rep = _pair(tmp_path, lambda: _scenario(_UsesPassThrough, (2, 5, 16)), dtype=dtype, threads=threads)
+    assert rep.verdict == "pass", [(e.key, e.ratio, e.local_ratio) for e in _worst(rep)]
+    own = [e for e in rep.entries if e.module == "block" and e.slot == "grad_input.0" and e.local_ratio is not None]
+    assert own and max(e.local_ratio for e in own) < rep.limit / 2
+
+
+def test_an_input_returned_as_an_output_still_catches_a_fault(tmp_path):
+    rep = _pair(tmp_path, lambda: _scenario(_UsesPassThrough, (2, 5, 16)), dtype="bf16",
+                hooks=scale_output("block.inner", 1.05))
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "block.inner"
