@@ -63,7 +63,8 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
         if r.run.get("mode") != "full":
             raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
                                   "both sides (record with --mode full)")
-    expect = logical_shapes(*(({e["key"]: e["shape"] for e in r.entries}, len(d) or 1)
+    # a tensor-parallel side holds the whole batch on every rank: for the batch, one process
+    expect = logical_shapes(*((_shapes(r), len(d) if d and r.run.get("parallel") != "tp" else 1)
                               for r, d in zip(firsts, dirs)))
     warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
                 "not hold contiguous parts of one global batch in rank order (as driftcheck record "
@@ -110,6 +111,12 @@ def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[
     return out
 
 
+def _shapes(r: TraceReader) -> dict[str, list[int]]:
+    """Each entry's shape, a shard's logical one (a TP side's activations are shards too)."""
+    return {e["key"]: list(((e.get("meta") or {}).get("layout") or {}).get("global_shape")
+                            or e["shape"]) for e in r.entries}
+
+
 def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]]) -> list[str]:
     """Write the logical trace of the ranks' traces into ``out`` (a new directory);
     ``expect`` (``logical_shapes``) decides which activations are batch slices. Returns
@@ -137,7 +144,7 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
             if how == "replicated-differs":
                 warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
             warnings += batch_statistics(e, how, warnings)
-            writer.add(_entry(e, group, t, how), t.contiguous())
+            writer.add(_entry(e, group, t, how, parallel), t.contiguous())
         run = {k: v for k, v in base.run.items() if k != "rank"}
         extra = {k: v for k, v in base.manifest.items()
                  if k not in ("format", "version", "run", "shards", "entries", "replay")}
@@ -148,11 +155,25 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
 def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
                    expect: list[int] | None, parallel: str | None) -> tuple[torch.Tensor, str]:
     """The logical tensor of the ranks' ``tensors`` of one entry, and how it was rebuilt
-    (``gathered``, ``batch``, ``mean``, ``replicated``, ``replicated-differs``)."""
+    (``gathered``, ``summed``, ``batch``, ``mean``, ``replicated``, ``replicated-differs``)."""
     layout = (entries[0].get("meta") or {}).get("layout")
-    phase, n = entries[0]["phase"], len(tensors)
     if layout:
-        return _from_placements(entries, tensors), "gathered"
+        return _from_placements(entries, tensors), "summed" if layout["placements"] == ["P"] else "gathered"
+    # A tensor-parallel rank ran the whole batch: what is not a shard is replicated (the loss
+    # too). A data-parallel rank ran its part of the batch:
+    if parallel != "tp":
+        split = _batch_part(entries, tensors, expect, parallel)
+        if split is not None:
+            return split
+    same = all(torch.equal(tensors[0], t) for t in tensors[1:])
+    return tensors[0], "replicated" if same else "replicated-differs"
+
+
+def _batch_part(entries: list[dict[str, Any]], tensors: list[torch.Tensor], expect: list[int] | None,
+                parallel: str | None) -> tuple[torch.Tensor, str] | None:
+    """A data-parallel entry's logical tensor (the loss and DDP's gradients: the mean; a batch
+    slice: joined), or None where it is replicated."""
+    phase, n = entries[0]["phase"], len(tensors)
     if phase == "loss":
         return _mean(tensors), "mean"
     if phase == "grads" and parallel == "ddp":
@@ -169,8 +190,7 @@ def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
                                   "whole tensor")
         if phase == "backward":
             return _mean(tensors), "mean"
-    same = all(torch.equal(tensors[0], t) for t in tensors[1:])
-    return tensors[0], "replicated" if same else "replicated-differs"
+    return None
 
 
 def _from_placements(entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -210,16 +230,17 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     return (t.double() * factor).to(t.dtype) if t.is_floating_point() else t
 
 
-def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how: str
-           ) -> dict[str, Any]:
+def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how: str,
+           parallel: str | None = None) -> dict[str, Any]:
     """The logical entry: rank 0's, with the logical tensor's shape and statistics; the meta
     that summarises a batch slice combined over the slices."""
     out = {k: v for k, v in e.items() if k not in ("tensor", "sample", "stats", "meta")}
     out["shape"] = list(t.shape)
     out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist())
     meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout")}
-    if e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and len(group) > 1:
-        meta["rank_split"] = len(group)  # a reduction across the ranks (compare/allowances.py)
+    if len(group) > 1 and (how == "summed" or (  # a reduction across the ranks (allowances.py)
+            e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and parallel != "tp")):
+        meta["rank_split"] = len(group)
     if how == "batch":
         metas = [g.get("meta") or {} for g in group]
         for k in meta:

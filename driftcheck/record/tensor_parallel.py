@@ -1,0 +1,168 @@
+"""Tensor parallelism of a record (``--parallel tp`` under torchrun): the model's plan applied on a
+1-D device mesh of all ranks, and the layout of the activations the plan leaves as plain local
+shards.
+
+    torchrun --nproc_per_node 2 -m driftcheck record llama --out tgt --parallel tp --replay ref
+
+The plan maps module paths (``*`` matches one path component, as in Hugging Face's
+``base_model_tp_plan``) to a style: ``"colwise"`` (``ColwiseParallel``: the weight split along
+its output features, the output left as this rank's part of the last dim), ``"rowwise"``
+(``RowwiseParallel``: the weight split along its input features, the input taken as this rank's
+part of the last dim, the output all-reduced), ``"colwise_rep"`` (colwise, the output gathered:
+replicated), or a ``ParallelStyle`` object. It comes from ``Scenario.tp_plan``, else the model's
+``tp_plan`` attribute.
+
+Every rank sees the whole batch (unlike DDP/FSDP's ``ranks.shard_batch``). Parameters in the plan
+become DTensors (record/capture.py records their shards with their layout); the activations the
+style hands over as local tensors (a colwise output and its gradient, a rowwise input and its
+gradient where the hooks see a local tensor) get the same meta ``layout`` from the style here
+(``activation_layouts``); everything else is replicated.
+"""
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from driftcheck.errors import DriftcheckError
+
+STYLE_NAMES = ("colwise", "rowwise", "colwise_rep")
+
+# model -> ({module path: style}, mesh size, this rank's coordinate): what parallelize applied
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], int, int]] = \
+    weakref.WeakKeyDictionary()
+
+Layout = Callable[[str, str, torch.Tensor], "dict[str, Any] | None"]
+
+
+def plan_of(model: nn.Module, plan: dict[str, Any] | None, model_id: str | None) -> dict[str, Any]:
+    """The tensor-parallel plan of ``model``: ``plan`` (the scenario's), else ``model.tp_plan``.
+
+    Raises:
+        DriftcheckError: one line: the model has no plan."""
+    found = plan if plan else getattr(model, "tp_plan", None)
+    if not found or not isinstance(found, dict):
+        raise DriftcheckError(
+            f"model {model_id or type(model).__name__} has no tensor-parallel plan: --parallel tp "
+            "needs Scenario(tp_plan={'module.path': 'colwise'|'rowwise', ...}) or a tp_plan "
+            "attribute on the model; use --parallel ddp|fsdp, or record a single process")
+    return dict(found)
+
+
+def resolve(model: nn.Module, plan: dict[str, Any], world: int) -> dict[str, Any]:
+    """``plan`` with its patterns matched against the model's module paths: {path: ParallelStyle}.
+
+    Raises:
+        DriftcheckError: a pattern matching no module, an unknown style, a style on a module
+            that is not an ``nn.Linear``, or features the world size does not divide."""
+    names = dict(model.named_modules())
+    out: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if n and _matches(n, pattern)]
+        if not hits:
+            raise DriftcheckError(f"tp_plan: {pattern!r} matches no module of the model "
+                                  f"(its modules: {', '.join(list(names)[1:6])}, ...)")
+        for n in hits:
+            out[n] = _style(style, pattern)
+            _check_divisible(n, names[n], out[n], world)
+    return out
+
+
+def _matches(path: str, pattern: str) -> bool:
+    parts, pats = path.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+def _style(style: Any, pattern: str) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    if isinstance(style, ParallelStyle):
+        return style
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style == "colwise_rep":  # colwise, the output gathered on every rank
+        return ColwiseParallel(output_layouts=Replicate())
+    raise DriftcheckError(f"tp_plan: {pattern!r}: style {style!r} is not one of "
+                          f"{', '.join(STYLE_NAMES)} (or a ParallelStyle object)")
+
+
+def _check_divisible(name: str, module: nn.Module, style: Any, world: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return
+    if not isinstance(module, nn.Linear):
+        raise DriftcheckError(f"tp_plan: {name} is a {type(module).__name__}; the colwise and "
+                              "rowwise styles shard nn.Linear modules")
+    feats, what = (module.out_features, "output") if isinstance(style, ColwiseParallel) \
+        else (module.in_features, "input")
+    if feats % world:
+        raise DriftcheckError(f"tp_plan: {name} has {feats} {what} features, not a multiple of "
+                              f"the {world} ranks; run with a number of ranks that divides it")
+
+
+def parallelize(model: nn.Module, plan: dict[str, Any], device: torch.device) -> nn.Module:
+    """Apply ``plan`` (``plan_of``) to ``model`` in place on a 1-D mesh of every rank; returns
+    the model (its module paths unchanged)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    world = dist.get_world_size()
+    styles = resolve(model, plan, world)
+    mesh = init_device_mesh(device.type, (world,))
+    parallelize_module(model, mesh, styles)
+    _APPLIED[model] = (styles, world, mesh.get_local_rank())
+    return model
+
+
+def activation_layouts(model: nn.Module) -> dict[str, Layout]:
+    """{module path: layout(phase, slot, tensor)} for the modules ``parallelize`` gave a style
+    that hands over a local shard: the meta ``layout`` of a plain tensor there that is this
+    rank's part of the last dim (None: replicated). {} for a model not parallelized."""
+    applied = _APPLIED.get(model)
+    if applied is None:
+        return {}
+    styles, world, rank = applied
+    out: dict[str, Layout] = {}
+    for name, style in styles.items():
+        sides = sharded_sides(style)
+        if sides:
+            out[name] = _layout_fn(sides, world, rank)
+    return out
+
+
+def sharded_sides(style: Any) -> tuple[str, ...]:
+    """Which of a style's module inputs and outputs are local shards along the last dim:
+    ("input",), ("output",), both or neither (read off the style's layouts)."""
+    from torch.distributed.tensor import Shard
+
+    def last_dim_shard(layouts: Any) -> bool:
+        first = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else layouts
+        return isinstance(first, Shard) and first.dim == -1
+
+    sides = []
+    if last_dim_shard(getattr(style, "input_layouts", None)):
+        sides.append("input")
+    if getattr(style, "use_local_output", False) and last_dim_shard(getattr(style, "output_layouts", None)):
+        sides.append("output")
+    return tuple(sides)
+
+
+def _layout_fn(sides: tuple[str, ...], world: int, rank: int) -> Layout:
+    prefixes = tuple(sides) + tuple("grad_" + s for s in sides)
+
+    def layout(phase: str, slot: str, t: torch.Tensor) -> dict[str, Any] | None:
+        if phase not in ("forward", "backward") or t.dim() == 0 or not slot.startswith(prefixes):
+            return None
+        d = t.dim() - 1
+        return {"placements": [f"S{d}"], "mesh": [world], "coord": [rank],
+                "global_shape": [*t.shape[:-1], t.shape[-1] * world]}
+    return layout
