@@ -135,10 +135,10 @@ def wrap(model: nn.Module, parallel: str, device: torch.device,
         from torch.distributed.fsdp import fully_shard
 
         return cast(nn.Module, fully_shard(model))  # the same module, its class made FSDP's
-    if parallel == "tp" and tp_plan:
-        from driftcheck.record.tensor_parallel import parallelize
+    if parallel == "tp":
+        from driftcheck.record.tensor_parallel import parallelize, plan_of
 
-        return parallelize(model, tp_plan, device)
+        return parallelize(model, plan_of(model, tp_plan, None), device)
     raise DriftcheckError(f"--parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
 
 

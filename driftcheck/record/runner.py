@@ -101,10 +101,10 @@ def _refuse_combinations(config: RecordConfig) -> None:
                               "--fp8, --simulate, --emulate and --view-audit (they run the model "
                               "eagerly or under a dispatch mode Dynamo does not trace)")
     if c.dist_backend and not c.parallel:
-        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp; "
+        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp|tp; "
                               "add --parallel or drop --dist-backend")
     if c.parallel and (c.fp8 or c.local is not None or c.simulate or c.view_audit or c.emulate):
-        raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
+        raise DriftcheckError("--parallel records plain DDP/FSDP/TP runs: drop --fp8, --local, "
                               "--simulate, --emulate and --view-audit, or record a single process")
 
 
