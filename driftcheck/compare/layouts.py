@@ -63,8 +63,7 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
         if r.run.get("mode") != "full":
             raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
                                   "both sides (record with --mode full)")
-    # a tensor-parallel side holds the whole batch on every rank: for the batch, one process
-    expect = logical_shapes(*((_shapes(r), len(d) if d and r.run.get("parallel") != "tp" else 1)
+    expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp")
                               for r, d in zip(firsts, dirs)))
     warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
                 "not hold contiguous parts of one global batch in rank order (as driftcheck record "
@@ -88,17 +87,21 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
     return report
 
 
-def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[int]], int]
-                   ) -> dict[str, list[int]]:
+def logical_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[str, list[int]]:
     """The logical shape of every key both sides have, from each side's (shapes of rank 0 or
-    of the single trace, number of ranks; 1: a single trace): a single trace's shape; else the
-    batch slice joined (dim 0 times the ranks) where the slices of the two sides say so (the
-    same world size: always, the two sides then join alike)."""
-    (sa, na), (sb, nb) = a, b
+    of the single trace, number of ranks; 1: a single trace[, tensor parallel]): a single
+    trace's shape; else the batch slice joined (dim 0 times the ranks) where the slices of the
+    two sides say so (the same world size: always, the two sides then join alike). A tensor-
+    parallel side holds the whole batch; an activation of it outside the plan may be a part
+    along one other dim (``_tp_shape``)."""
+    (sa, na, *ta), (sb, nb, *tb) = a, b
+    tp_a, tp_b = bool(ta and ta[0]), bool(tb and tb[0])
     out = {}
     for k in sa.keys() & sb.keys():
         x, y = list(sa[k]), list(sb[k])
-        if na == 1 or nb == 1:
+        if tp_a or tp_b:
+            out[k] = _tp_shape(x, na, tp_a, y, nb, tp_b)
+        elif na == 1 or nb == 1:
             out[k] = x if na == 1 else y
         elif not x or not y:
             out[k] = x
@@ -109,6 +112,21 @@ def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[
         else:
             out[k] = x
     return out
+
+
+def _tp_shape(x: list[int], na: int, tp_a: bool, y: list[int], nb: int, tp_b: bool) -> list[int]:
+    """The logical shape of an entry one side (or both) of which is tensor parallel: the whole
+    batch on every rank, a module outside the plan (an activation between a colwise and a
+    rowwise Linear, the local heads' attention weights) perhaps a part along one dim."""
+    if not tp_a:  # the other side first
+        x, na, tp_a, y, nb, tp_b = y, nb, tp_b, x, na, tp_a
+    if x == y or len(x) != len(y) or (nb == 1 and not tp_b):
+        return y if nb == 1 and not tp_b else x  # a single trace's shape is the logical one
+    if not tp_b:  # data parallel: its batch part joined, its other dims whole
+        return [x[0], *y[1:]] if x[0] == y[0] * nb else x
+    diff = [d for d in range(len(x)) if x[d] != y[d]]
+    return [x[d] * na if d == diff[0] else x[d] for d in range(len(x))] \
+        if len(diff) == 1 and x[diff[0]] * na == y[diff[0]] * nb else x
 
 
 def _shapes(r: TraceReader) -> dict[str, list[int]]:
@@ -165,8 +183,22 @@ def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
         split = _batch_part(entries, tensors, expect, parallel)
         if split is not None:
             return split
+    elif expect is not None and list(tensors[0].shape) != list(expect):
+        return _tp_part(entries[0]["key"], tensors, expect), "gathered"
     same = all(torch.equal(tensors[0], t) for t in tensors[1:])
     return tensors[0], "replicated" if same else "replicated-differs"
+
+
+def _tp_part(key: str, tensors: list[torch.Tensor], expect: list[int]) -> torch.Tensor:
+    """The parts of a tensor-parallel activation without a layout (a module outside the plan
+    computed it from local shards): joined in rank order along the one dim whose size is the
+    ranks' part of the logical one."""
+    shape, n = list(tensors[0].shape), len(tensors)
+    dims = [d for d in range(len(shape)) if len(shape) == len(expect) and shape[d] != expect[d]]
+    if len(dims) != 1 or shape[dims[0]] * n != expect[dims[0]]:
+        raise DriftcheckError(f"{key}: the tensor-parallel ranks hold shape {shape}, the other side "
+                              f"{list(expect)}: neither the whole tensor nor its part along one dim")
+    return torch.cat(tensors, dim=dims[0])
 
 
 def _batch_part(entries: list[dict[str, Any]], tensors: list[torch.Tensor], expect: list[int] | None,

@@ -9,8 +9,10 @@ The plan maps module paths (``*`` matches one path component, as in Hugging Face
 its output features, the output left as this rank's part of the last dim), ``"rowwise"``
 (``RowwiseParallel``: the weight split along its input features, the input taken as this rank's
 part of the last dim, the output all-reduced), ``"colwise_rep"`` (colwise, the output gathered:
-replicated), or a ``ParallelStyle`` object. It comes from ``Scenario.tp_plan``, else the model's
-``tp_plan`` attribute.
+replicated; Hugging Face's ``"colwise_gather_output"``), ``"embedding_rowwise"`` (an
+``nn.Embedding`` split along the vocabulary), or a ``ParallelStyle`` object. It comes from
+``Scenario.tp_plan``, else the model's ``tp_plan`` attribute (a Hugging Face model's own plan, its
+``base_model_tp_plan`` with the head's, applied with torch's styles above, not transformers').
 
 Every rank sees the whole batch (unlike DDP/FSDP's ``ranks.shard_batch``). Parameters in the plan
 become DTensors (record/capture.py records their shards with their layout); the activations the
@@ -30,7 +32,9 @@ from torch import nn
 
 from driftcheck.errors import DriftcheckError
 
-STYLE_NAMES = ("colwise", "rowwise", "colwise_rep")
+# Hugging Face's names (ALL_PARALLEL_STYLES) for torch's own styles; colwise_gather_output is
+# colwise_rep's other name there
+STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise")
 
 # model -> ({module path: style}, mesh size, this rank's coordinate): what parallelize applied
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], int, int]] = \
@@ -87,8 +91,10 @@ def _style(style: Any, pattern: str) -> Any:
         return ColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel()
-    if style == "colwise_rep":  # colwise, the output gathered on every rank
+    if style in ("colwise_rep", "colwise_gather_output"):  # the output gathered on every rank
         return ColwiseParallel(output_layouts=Replicate())
+    if style == "embedding_rowwise":  # an Embedding split along its rows (the vocabulary)
+        return RowwiseParallel(input_layouts=Replicate())
     raise DriftcheckError(f"tp_plan: {pattern!r}: style {style!r} is not one of "
                           f"{', '.join(STYLE_NAMES)} (or a ParallelStyle object)")
 
@@ -98,11 +104,15 @@ def _check_divisible(name: str, module: nn.Module, style: Any, world: int) -> No
 
     if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return
-    if not isinstance(module, nn.Linear):
+    if isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel):
+        feats, what = module.num_embeddings, "embedding"
+    elif not isinstance(module, nn.Linear):
         raise DriftcheckError(f"tp_plan: {name} is a {type(module).__name__}; the colwise and "
-                              "rowwise styles shard nn.Linear modules")
-    feats, what = (module.out_features, "output") if isinstance(style, ColwiseParallel) \
-        else (module.in_features, "input")
+                              "rowwise styles shard nn.Linear modules (rowwise: nn.Embedding too)")
+    elif isinstance(style, ColwiseParallel):
+        feats, what = module.out_features, "output"
+    else:
+        feats, what = module.in_features, "input"
     if feats % world:
         raise DriftcheckError(f"tp_plan: {name} has {feats} {what} features, not a multiple of "
                               f"the {world} ranks; run with a number of ranks that divides it")

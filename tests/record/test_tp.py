@@ -158,10 +158,12 @@ def test_a_tp_side_is_rebuilt_without_batch_joining():
     partial = {"placements": ["P"], "mesh": [2], "global_shape": [2, 3]}
     t, how = logical_tensor([e("backward", partial, 0), e("backward", partial, 1)], [a, b], [2, 3], "tp")
     assert how == "summed" and torch.equal(t, a + b)
-    # the whole batch on every rank: replicated, never joined along dim 0 nor averaged
+    # the whole batch on every rank: replicated, never joined along dim 0 nor averaged (as a
+    # data-parallel side's would be)
     for phase in ("forward", "backward", "loss", "grads"):
-        t, how = logical_tensor([e(phase), e(phase)], [a, a.clone()], [4, 3], "tp")
+        t, how = logical_tensor([e(phase), e(phase)], [a, a.clone()], [2, 3], "tp")
         assert how == "replicated" and torch.equal(t, a), phase
+    assert logical_tensor([e("forward"), e("forward")], [a, b], [4, 3], "ddp")[1] == "batch"
     assert logical_tensor([e("loss"), e("loss")], [a, b], None, "tp")[1] == "replicated-differs"
 
 
@@ -188,3 +190,42 @@ def test_a_plan_is_resolved_against_the_module_paths():
         resolve(model, {"norm": "colwise"}, 2)
     with pytest.raises(DriftcheckError, match="has no tensor-parallel plan"):
         plan_of(torch.nn.Linear(2, 2), None, "x.py:build")
+
+
+def test_a_hugging_face_model_runs_its_own_plan(tmp_path):
+    # LlamaForCausalLM's tp_plan (its config's base_model_tp_plan, the head's, the embedding's
+    # embedding_rowwise) applied with torch's styles; its act_fn and attention weights lie
+    # outside the plan: parts along one dim, joined by compare
+    pytest.importorskip("transformers")
+    (tmp_path / "sc.py").write_text("from driftcheck.hf import build as hf\n\n"
+                                    "def build():\n    return hf('llama')\n")
+    _record(tmp_path, "--out", str(tmp_path / "ref"))
+    _record(tmp_path, "--out", str(tmp_path / "tp"), "--replay", str(tmp_path / "ref"),
+            "--parallel", "tp", "--dtype", "bf16", ranks=2)
+    e = _entries(tmp_path / "tp", 0)
+    emb = e["0/params/model.embed_tokens/0/param.weight"]
+    assert emb["meta"]["layout"]["placements"] == ["S0"]  # split along the vocabulary
+    act = e["0/forward/model.layers.0.mlp.act_fn/0/output"]
+    assert act["shape"][-1] * 2 == e["0/forward/model.layers.0.mlp.down_proj/0/input.0"]["meta"][
+        "layout"]["global_shape"][-1] and "layout" not in (act.get("meta") or {})
+    report = compare_ranks(tmp_path / "ref", tmp_path / "tp")
+    assert report.verdict == "pass", report.decided_by
+    assert len(report.entries) == len(TraceReader(tmp_path / "ref").entries)
+
+
+def test_logical_shapes_with_a_tensor_parallel_side():
+    from driftcheck.compare.layouts import logical_shapes
+
+    single = ({"act": [2, 16, 64], "w": [8, 4], "x": [2, 16]}, 1)
+    tp2 = ({"act": [2, 16, 32], "w": [8, 4], "x": [2, 16]}, 2, True)
+    tp4 = ({"act": [2, 16, 16], "w": [8, 4], "x": [2, 16]}, 4, True)
+    ddp2 = ({"act": [1, 16, 64], "w": [8, 4], "x": [1, 16]}, 2)
+    want = {"act": [2, 16, 64], "w": [8, 4], "x": [2, 16]}
+    for a, b in ((single, tp2), (tp2, single), (ddp2, tp2), (tp2, ddp2), (tp2, tp4), (tp4, tp2)):
+        assert logical_shapes(a, b) == want, (a, b)
+    t = logical_tensor([{"key": "k", "phase": "forward", "meta": {}}] * 2,
+                       [torch.zeros(2, 3), torch.ones(2, 3)], [2, 6], "tp")
+    assert t[1] == "gathered" and torch.equal(t[0], torch.cat([torch.zeros(2, 3), torch.ones(2, 3)], 1))
+    with pytest.raises(DriftcheckError, match="neither the whole tensor nor its part"):
+        logical_tensor([{"key": "k", "phase": "forward", "meta": {}}] * 2,
+                       [torch.zeros(2, 3), torch.ones(2, 3)], [4, 6], "tp")
