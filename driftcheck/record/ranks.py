@@ -18,8 +18,10 @@ equal parts (rank ``r`` takes part ``r``), so the global batch is the single-pro
 tracer hooks the inner module (module paths as without the wrapper), the training loop calls the
 wrapper. Hooks only copy local tensors, never communicate: FSDP's sharded parameters, gradients
 and optimizer state (DTensors) are recorded as this rank's local shard, and nothing a hook does
-can make ranks wait for each other. Under DDP the ``grads`` phase is the gradient as it reached
-the parameter on this rank; the all-reduced result shows in the optimizer phase.
+can make ranks wait for each other (under tensor parallelism every rank runs every hook:
+record/capture.py gathers a sharded Linear's operand magnitudes there). Under DDP the ``grads``
+phase is the gradient as it reached the parameter on this rank; the all-reduced result shows in
+the optimizer phase.
 """
 from __future__ import annotations
 
