@@ -73,7 +73,24 @@ def resolve(model: nn.Module, plan: dict[str, Any], world: int) -> dict[str, Any
         for n in hits:
             out[n] = _style(style, pattern)
             _check_divisible(n, names[n], out[n], world)
+    _check_untied(model, out)
     return out
+
+
+def _check_untied(model: nn.Module, styles: dict[str, Any]) -> None:
+    """A parameter the plan shards must belong to that module alone: torch's styles replace it
+    by a DTensor there, which would cut a tied one (an lm_head sharing the embedding) in two."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    for name in styles:
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+            tied = [o for o in owners.get(id(p), []) if o != f"{name}.{pname}"]
+            if tied:
+                raise DriftcheckError(f"tp_plan: {name}.{pname} is tied to {tied[0]}; --parallel tp "
+                                      "shards untied parameters only (untie them, or leave one of "
+                                      "the two modules out of the plan)")
 
 
 def _matches(path: str, pattern: str) -> bool:

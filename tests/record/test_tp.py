@@ -179,7 +179,10 @@ def test_a_plan_is_resolved_against_the_module_paths():
     assert isinstance(styles["layers.0.mlp.down_proj"], RowwiseParallel)
     assert sharded_sides(styles["layers.0.attn.q_proj"]) == ("output",)
     assert sharded_sides(styles["layers.0.attn.o_proj"]) == ("input",)
-    assert sharded_sides(resolve(model, {"lm_head": "colwise_rep"}, 2)["lm_head"]) == ()
+    rep = "layers.0.attn.q_proj"
+    assert sharded_sides(resolve(model, {rep: "colwise_rep"}, 2)[rep]) == ()
+    with pytest.raises(DriftcheckError, match=r"lm_head\.weight is tied to tok_emb\.weight"):
+        resolve(model, {"lm_head": "colwise_rep"}, 2)
     with pytest.raises(DriftcheckError, match="matches no module"):
         resolve(model, {"layers.*.attn.qkv": "colwise"}, 2)
     with pytest.raises(DriftcheckError, match="is not one of colwise, rowwise"):
