@@ -10,7 +10,8 @@ its output features, the output left as this rank's part of the last dim), ``"ro
 (``RowwiseParallel``: the weight split along its input features, the input taken as this rank's
 part of the last dim, the output all-reduced), ``"colwise_rep"`` (colwise, the output gathered:
 replicated; Hugging Face's ``"colwise_gather_output"``), ``"embedding_rowwise"`` (an
-``nn.Embedding`` split along the vocabulary), or a ``ParallelStyle`` object. It comes from
+``nn.Embedding`` split along the vocabulary), ``"replicated_with_grad_allreduce"`` (a replicated
+module on local shards, its gradients summed over the ranks), or a ``ParallelStyle`` object. It comes from
 ``Scenario.tp_plan``, else the model's ``tp_plan`` attribute (a Hugging Face model's own plan, its
 ``base_model_tp_plan`` with the head's, applied with torch's styles above, not transformers').
 
@@ -34,7 +35,8 @@ from driftcheck.errors import DriftcheckError
 
 # Hugging Face's names (ALL_PARALLEL_STYLES) for torch's own styles; colwise_gather_output is
 # colwise_rep's other name there
-STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise")
+STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise",
+               "replicated_with_grad_allreduce")
 
 # model -> ({module path: style}, mesh size, this rank's coordinate): what parallelize applied
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], int, int]] = \
@@ -112,8 +114,30 @@ def _style(style: Any, pattern: str) -> Any:
         return ColwiseParallel(output_layouts=Replicate())
     if style == "embedding_rowwise":  # an Embedding split along its rows (the vocabulary)
         return RowwiseParallel(input_layouts=Replicate())
+    if style == "replicated_with_grad_allreduce":
+        return _grad_all_reduce()
     raise DriftcheckError(f"tp_plan: {pattern!r}: style {style!r} is not one of "
                           f"{', '.join(STYLE_NAMES)} (or a ParallelStyle object)")
+
+
+def _grad_all_reduce() -> Any:
+    """Hugging Face's ``replicated_with_grad_allreduce`` as a torch style: a replicated module on
+    a sharded activation (Qwen3's per-head q/k norms see this rank's heads only) whose parameter
+    gradients are summed over the ranks as they are accumulated (before driftcheck's own
+    gradient hook, registered later, reads them)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class GradAllReduce(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            group = device_mesh.get_group()
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(
+                        lambda q: dist.all_reduce(q.grad, group=group) if q.grad is not None else None)
+            return module
+
+    return GradAllReduce()
 
 
 def _check_divisible(name: str, module: nn.Module, style: Any, world: int) -> None:
