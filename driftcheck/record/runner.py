@@ -292,6 +292,8 @@ def _run_metadata(scenario: Scenario, config: RecordConfig, model: nn.Module, in
                        **({"rank": ranks_.rank, "world_size": ranks_.world, "parallel": c.parallel,
                            "backend": ranks_.backend} if c.parallel else {}),
                        **({"simulated_changes": contexts.fault.changes} if c.simulate else {}))
+    if c.parallel == "tp":
+        run["tensor_parallel"] = tensor_parallel.described(model)
     if c.emulate:
         run["emulation"] = {"backend": "tpu", "matmul_precision": c.emulate,
                             "ops": dict(sorted(emulation.calls.items()))}

@@ -42,6 +42,8 @@ STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "em
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], int, int]] = \
     weakref.WeakKeyDictionary()
 
+_DESCRIBED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
 Layout = Callable[[str, str, torch.Tensor], "dict[str, Any] | None"]
 
 
@@ -59,8 +61,12 @@ def plan_of(model: nn.Module, plan: dict[str, Any] | None, model_id: str | None)
     return dict(found)
 
 
-def resolve(model: nn.Module, plan: dict[str, Any], world: int) -> dict[str, Any]:
-    """``plan`` with its patterns matched against the model's module paths: {path: ParallelStyle}.
+def resolve(model: nn.Module, plan: dict[str, Any], world: int
+            ) -> tuple[dict[str, Any], dict[str, str]]:
+    """``plan`` with its patterns matched against the model's module paths: ({path:
+    ParallelStyle}, {path: the parameter it is tied to} of the modules left replicated because a
+    parameter of theirs is tied to another module's: torch's styles would replace it by a
+    DTensor in one of them and cut the tie, as of an lm_head sharing the embedding).
 
     Raises:
         DriftcheckError: a pattern matching no module, an unknown style, a style on a module
@@ -75,24 +81,23 @@ def resolve(model: nn.Module, plan: dict[str, Any], world: int) -> dict[str, Any
         for n in hits:
             out[n] = _style(style, pattern)
             _check_divisible(n, names[n], out[n], world)
-    _check_untied(model, out)
-    return out
+    tied = _tied(model, out)
+    return {n: st for n, st in out.items() if n not in tied}, tied
 
 
-def _check_untied(model: nn.Module, styles: dict[str, Any]) -> None:
-    """A parameter the plan shards must belong to that module alone: torch's styles replace it
-    by a DTensor there, which would cut a tied one (an lm_head sharing the embedding) in two."""
+def _tied(model: nn.Module, styles: dict[str, Any]) -> dict[str, str]:
+    """{module path: the other owner of a parameter of its own} of the modules in ``styles``."""
     owners: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    out = {}
     for name in styles:
         for pname, p in model.get_submodule(name).named_parameters(recurse=False):
-            tied = [o for o in owners.get(id(p), []) if o != f"{name}.{pname}"]
-            if tied:
-                raise DriftcheckError(f"tp_plan: {name}.{pname} is tied to {tied[0]}; --parallel tp "
-                                      "shards untied parameters only (untie them, or leave one of "
-                                      "the two modules out of the plan)")
+            others = [o for o in owners.get(id(p), []) if o != f"{name}.{pname}"]
+            if others:
+                out[name] = others[0]
+    return out
 
 
 def _matches(path: str, pattern: str) -> bool:
@@ -167,11 +172,28 @@ def parallelize(model: nn.Module, plan: dict[str, Any], device: torch.device) ->
     from torch.distributed.tensor.parallel import parallelize_module
 
     world = dist.get_world_size()
-    styles = resolve(model, plan, world)
+    styles, tied = resolve(model, plan, world)
+    if not styles:
+        raise DriftcheckError("tp_plan: every module it names shares a parameter with another "
+                              f"module ({', '.join(f'{k}: {v}' for k, v in tied.items())}): nothing "
+                              "left to shard; untie them")
     mesh = init_device_mesh(device.type, (world,))
     parallelize_module(model, mesh, styles)
     _APPLIED[model] = (styles, world, mesh.get_local_rank())
+    _DESCRIBED[model] = {"plan": {n: _style_name(st) for n, st in styles.items()},
+                         **({"replicated_tied": tied} if tied else {})}
     return model
+
+
+def described(model: nn.Module) -> dict[str, Any] | None:
+    """The run metadata ``tensor_parallel`` of a model ``parallelize`` sharded: ``plan`` (module
+    path: the style's class), ``replicated_tied`` (the modules left out: the tied parameter)."""
+    return _DESCRIBED.get(model)
+
+
+def _style_name(style: Any) -> str:
+    sides = sharded_sides(style)
+    return type(style).__name__ + (f"(local {', '.join(sides)})" if sides else "")
 
 
 def activation_layouts(model: nn.Module) -> dict[str, Layout]:

@@ -174,15 +174,17 @@ def test_a_plan_is_resolved_against_the_module_paths():
     from driftcheck.record.tensor_parallel import plan_of, resolve, sharded_sides
 
     model = llama.build().model
-    styles = resolve(model, llama.TP_PLAN, 2)
+    styles, tied = resolve(model, llama.TP_PLAN, 2)
+    assert tied == {}
     assert len(styles) == 14 and isinstance(styles["layers.1.attn.q_proj"], ColwiseParallel)
     assert isinstance(styles["layers.0.mlp.down_proj"], RowwiseParallel)
     assert sharded_sides(styles["layers.0.attn.q_proj"]) == ("output",)
     assert sharded_sides(styles["layers.0.attn.o_proj"]) == ("input",)
     rep = "layers.0.attn.q_proj"
-    assert sharded_sides(resolve(model, {rep: "colwise_rep"}, 2)[rep]) == ()
-    with pytest.raises(DriftcheckError, match=r"lm_head\.weight is tied to tok_emb\.weight"):
-        resolve(model, {"lm_head": "colwise_rep"}, 2)
+    assert sharded_sides(resolve(model, {rep: "colwise_rep"}, 2)[0][rep]) == ()
+    # the tied lm_head is left replicated (sharding it would cut the tie)
+    styles, tied = resolve(model, {"lm_head": "colwise_rep", rep: "colwise"}, 2)
+    assert list(styles) == [rep] and tied == {"lm_head": "tok_emb.weight"}
     with pytest.raises(DriftcheckError, match="matches no module"):
         resolve(model, {"layers.*.attn.qkv": "colwise"}, 2)
     with pytest.raises(DriftcheckError, match="is not one of colwise, rowwise"):
