@@ -234,3 +234,21 @@ def test_logical_shapes_with_a_tensor_parallel_side():
     with pytest.raises(DriftcheckError, match="neither the whole tensor nor its part"):
         logical_tensor([{"key": "k", "phase": "forward", "meta": {}}] * 2,
                        [torch.zeros(2, 3), torch.ones(2, 3)], [4, 6], "tp")
+
+
+def test_the_mlp_with_dropout_under_tp_draws_the_single_process_masks(tmp_path):
+    # mlp's plan gathers each colwise output (colwise_rep): its Dropouts act on replicated
+    # tensors, and every TP rank draws the whole batch's mask, as one process does
+    (tmp_path / "sc.py").write_text("from driftcheck.models import mlp\n\n"
+                                    "def build():\n    return mlp.build()\n")
+    _record(tmp_path, "--out", str(tmp_path / "ref"))
+    _record(tmp_path, "--out", str(tmp_path / "tp"), "--replay", str(tmp_path / "ref"),
+            "--parallel", "tp", ranks=2)
+    e = _entries(tmp_path / "tp", 1)
+    assert e["0/params/fc1/0/param.weight"]["meta"]["layout"]["placements"] == ["S0"]
+    assert e["0/forward/drop1/0/output"]["shape"] == [8, 64]  # whole, replicated
+    assert TraceReader(rank_dirs(tmp_path / "tp")[1]).run["tensor_parallel"]["plan"]["fc1"] \
+        == "ColwiseParallel"
+    report = compare_ranks(tmp_path / "ref", tmp_path / "tp")
+    assert report.verdict == "pass", report.decided_by
+    assert max(e.metrics["rel_l2"] for e in report.entries) < 1e-5
