@@ -1,6 +1,6 @@
 """Compare across layouts: a single-process trace against a multi-rank run directory (``OUT/rank-<r>``
-of a torchrun record, DDP or FSDP2), or two multi-rank runs of different rank counts or of DDP
-and FSDP2, judged as one.
+of a torchrun record, DDP, FSDP2 or TP), or two multi-rank runs of different rank counts or of
+different ``parallel``, judged as one.
 
 Each multi-rank side is rebuilt into one logical trace (a temporary directory), which the
 ordinary ``compare`` then judges. Each entry's logical tensor, from the ranks'
@@ -19,7 +19,13 @@ entries of the same key (docs/trace-format.md, "Layouts"):
 - the loss: the mean over the ranks;
 - DDP's ``grads`` (each rank's gradient before the all-reduce): the mean over the ranks;
 - parameters, buffers and optimizer state of DDP (replicated): rank 0's; a rank that differs is a
-  warning.
+  warning;
+- a tensor-parallel side (``--parallel tp``: every rank ran the whole batch): its shards
+  (parameters, and the activations its plan's styles left as local shards, meta ``layout``)
+  joined, its partial sums (``P``) summed; everything else replicated, rank 0's, the loss too
+  (never joined along dim 0, never averaged); an activation without a layout that is a part of
+  the other side's shape along one dim (a module outside the plan between a colwise and a
+  rowwise Linear) joined along that dim in rank order.
 
 Same layouts (both sides multi-rank with the same ranks and the same ``parallel``) keep
 compare/ranks.py's rank-by-rank path.
