@@ -236,7 +236,7 @@ def _from_placements(entries: list[dict[str, Any]], tensors: list[torch.Tensor])
     key = entries[0]["key"]
     if len(layout.get("mesh") or []) != 1:
         raise DriftcheckError(f"{key}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
-                              "1-D meshes (FSDP2) are rebuilt so far")
+                              "1-D meshes (FSDP2, TP) are rebuilt so far")
     coords = [(e.get("meta") or {}).get("layout", {}).get("coord") for e in entries]
     order = sorted(range(len(tensors)), key=lambda i: coords[i][0] if coords[i] else i)
     place = layout["placements"][0]
