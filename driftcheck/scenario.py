@@ -27,6 +27,9 @@ class Scenario:
         optimizer: ``optimizer(params) -> torch.optim.Optimizer``; optional.
         steps: number of training steps to record.
         name: a display name (set by the loader when empty).
+        tp_plan: the tensor-parallel plan of ``driftcheck record --parallel tp``: {module path
+            (``*`` matches one component): "colwise" | "rowwise" | "colwise_rep" or a
+            ``ParallelStyle``} (record/tensor_parallel.py); None: the model's ``tp_plan``, if any.
 
     Example:
         >>> def build():
@@ -42,6 +45,7 @@ class Scenario:
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
     steps: int = 1
     name: str = ""
+    tp_plan: dict[str, Any] | None = None
 
     def batch(self, step: int) -> Any:
         """The inputs of ``step`` (a tensor, tuple or dict)."""

@@ -88,19 +88,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         hs = self.head_dim
-        q = self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)     # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        # Head counts read off the projections (-1): under tensor parallelism (TP_PLAN) each
+        # rank's q/k/v hold its own heads only, nh / ranks and nkv / ranks of them.
+        q = self.q_proj(x).view(B, T, -1, hs).transpose(1, 2)              # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, hs).transpose(1, 2)              # (B, nkv, T, hs)
+        v = self.v_proj(x).view(B, T, -1, hs).transpose(1, 2)              # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Each kv head serves n_head // n_kv_head consecutive query heads. Repeated explicitly
         # rather than with SDPA's enable_gqa, which not every backend implements.
-        n_rep = self.n_head // self.n_kv_head
+        n_rep = self.n_head // self.n_kv_head  # the same on every rank: nh / nkv
         k = k.repeat_interleave(n_rep, dim=1)                              # (B, nh, T, hs)
         v = v.repeat_interleave(n_rep, dim=1)                              # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)       # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)                  # (B, T, C)
         return self.o_proj(y)
 
 
@@ -130,6 +132,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))           # (B, T, C)
+
+
+# Tensor parallelism (driftcheck record --parallel tp, Megatron style): q/k/v and gate/up split
+# along their outputs (heads, hidden units), o/down along their inputs, whose partial outputs
+# are summed across the ranks; norms, embedding and the tied lm_head replicated. The number of
+# ranks must divide n_kv_head (and so n_head): each rank keeps whole heads.
+TP_PLAN = {
+    "layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise",
+    "layers.*.attn.v_proj": "colwise", "layers.*.attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 class Llama(nn.Module):
@@ -187,4 +201,5 @@ def build(seed: int = 0) -> Scenario:
         ),
         steps=config.steps,
         name="llama",
+        tp_plan=TP_PLAN,
     )

@@ -27,6 +27,13 @@ class MLPConfig:
     steps: int = 2          # training steps recorded
 
 
+# Tensor parallelism (driftcheck record --parallel tp): every Linear split along its outputs,
+# the output gathered on every rank (colwise_rep), so each Dropout acts on a whole, replicated
+# tensor and draws the single process's mask (a colwise -> rowwise pair would leave drop1 on
+# each rank's part of the hidden units, with a mask of its own).
+TP_PLAN = {"fc1": "colwise_rep", "fc2": "colwise_rep", "head": "colwise_rep"}
+
+
 class MLP(nn.Module):
     """Linear -> GELU -> Dropout -> Linear -> ReLU -> Dropout -> Linear."""
 
@@ -75,4 +82,5 @@ def build(seed: int = 0) -> Scenario:
         optimizer=functools.partial(torch.optim.SGD, lr=config.lr, momentum=config.momentum),
         steps=config.steps,
         name="mlp",
+        tp_plan=TP_PLAN,
     )

@@ -315,6 +315,9 @@ CASES = [
                                                        c.parent / "o", "--replay", e["ref"], "--local",
                                                        e["ref"], "--no-local"],
          needle="contradict", group="devices and options"),
+    Case("--parallel tp on a model without a tensor-parallel plan",
+         args=_scen("build", "--parallel", "tp"), needle="no tensor-parallel plan",
+         group="devices and options"),
     # -- drill-down ----------------------------------------------------------------------------
     Case("drill on a target that does not diverge", args=lambda e, c: ["drill", e["ref"], e["ref"]],
          needle="nothing to drill", group="drill-down"),

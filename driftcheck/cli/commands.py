@@ -80,8 +80,9 @@ def models(obj: Ctx) -> None:
 @precision_options("the")
 @compile_options(False)
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
-@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
-              help="Under torchrun: wrap the model in DDP or FSDP (fully_shard); one trace per rank "
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp", "tp"]), default=None,
+              help="Under torchrun: wrap the model in DDP or FSDP (fully_shard), or apply its "
+                   "tensor-parallel plan (tp: every rank sees the whole batch); one trace per rank "
                    "in OUT/rank-N (see docs/performance.md).")
 @click.option("--dist-backend", default=None, metavar="NAME",
               help="With --parallel: the process-group backend, any registered with "

@@ -1,6 +1,6 @@
 """Compare across layouts: a single-process trace against a multi-rank run directory (``OUT/rank-<r>``
-of a torchrun record, DDP or FSDP2), or two multi-rank runs of different rank counts or of DDP
-and FSDP2, judged as one.
+of a torchrun record, DDP, FSDP2 or TP), or two multi-rank runs of different rank counts or of
+different ``parallel``, judged as one.
 
 Each multi-rank side is rebuilt into one logical trace (a temporary directory), which the
 ordinary ``compare`` then judges. Each entry's logical tensor, from the ranks'
@@ -19,7 +19,13 @@ entries of the same key (docs/trace-format.md, "Layouts"):
 - the loss: the mean over the ranks;
 - DDP's ``grads`` (each rank's gradient before the all-reduce): the mean over the ranks;
 - parameters, buffers and optimizer state of DDP (replicated): rank 0's; a rank that differs is a
-  warning.
+  warning;
+- a tensor-parallel side (``--parallel tp``: every rank ran the whole batch): its shards
+  (parameters, and the activations its plan's styles left as local shards, meta ``layout``)
+  joined, its partial sums (``P``) summed; everything else replicated, rank 0's, the loss too
+  (never joined along dim 0, never averaged); an activation without a layout that is a part of
+  the other side's shape along one dim (a module outside the plan between a colwise and a
+  rowwise Linear) joined along that dim in rank order.
 
 Same layouts (both sides multi-rank with the same ranks and the same ``parallel``) keep
 compare/ranks.py's rank-by-rank path.
@@ -63,7 +69,7 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
         if r.run.get("mode") != "full":
             raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
                                   "both sides (record with --mode full)")
-    expect = logical_shapes(*(({e["key"]: e["shape"] for e in r.entries}, len(d) or 1)
+    expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp")
                               for r, d in zip(firsts, dirs)))
     warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
                 "not hold contiguous parts of one global batch in rank order (as driftcheck record "
@@ -87,17 +93,21 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
     return report
 
 
-def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[int]], int]
-                   ) -> dict[str, list[int]]:
+def logical_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[str, list[int]]:
     """The logical shape of every key both sides have, from each side's (shapes of rank 0 or
-    of the single trace, number of ranks; 1: a single trace): a single trace's shape; else the
-    batch slice joined (dim 0 times the ranks) where the slices of the two sides say so (the
-    same world size: always, the two sides then join alike)."""
-    (sa, na), (sb, nb) = a, b
+    of the single trace, number of ranks; 1: a single trace[, tensor parallel]): a single
+    trace's shape; else the batch slice joined (dim 0 times the ranks) where the slices of the
+    two sides say so (the same world size: always, the two sides then join alike). A tensor-
+    parallel side holds the whole batch; an activation of it outside the plan may be a part
+    along one other dim (``_tp_shape``)."""
+    (sa, na, *ta), (sb, nb, *tb) = a, b
+    tp_a, tp_b = bool(ta and ta[0]), bool(tb and tb[0])
     out = {}
     for k in sa.keys() & sb.keys():
         x, y = list(sa[k]), list(sb[k])
-        if na == 1 or nb == 1:
+        if tp_a or tp_b:
+            out[k] = _tp_shape(x, na, tp_a, y, nb, tp_b)
+        elif na == 1 or nb == 1:
             out[k] = x if na == 1 else y
         elif not x or not y:
             out[k] = x
@@ -108,6 +118,27 @@ def logical_shapes(a: tuple[dict[str, list[int]], int], b: tuple[dict[str, list[
         else:
             out[k] = x
     return out
+
+
+def _tp_shape(x: list[int], na: int, tp_a: bool, y: list[int], nb: int, tp_b: bool) -> list[int]:
+    """The logical shape of an entry one side (or both) of which is tensor parallel: the whole
+    batch on every rank, a module outside the plan (an activation between a colwise and a
+    rowwise Linear, the local heads' attention weights) perhaps a part along one dim."""
+    if not tp_a:  # the other side first
+        x, na, tp_a, y, nb, tp_b = y, nb, tp_b, x, na, tp_a
+    if x == y or len(x) != len(y) or (nb == 1 and not tp_b):
+        return y if nb == 1 and not tp_b else x  # a single trace's shape is the logical one
+    if not tp_b:  # data parallel: its batch part joined, its other dims whole
+        return [x[0], *y[1:]] if x[0] == y[0] * nb else x
+    diff = [d for d in range(len(x)) if x[d] != y[d]]
+    return [x[d] * na if d == diff[0] else x[d] for d in range(len(x))] \
+        if len(diff) == 1 and x[diff[0]] * na == y[diff[0]] * nb else x
+
+
+def _shapes(r: TraceReader) -> dict[str, list[int]]:
+    """Each entry's shape, a shard's logical one (a TP side's activations are shards too)."""
+    return {e["key"]: list(((e.get("meta") or {}).get("layout") or {}).get("global_shape")
+                            or e["shape"]) for e in r.entries}
 
 
 def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]]) -> list[str]:
@@ -137,7 +168,7 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
             if how == "replicated-differs":
                 warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
             warnings += batch_statistics(e, how, warnings)
-            writer.add(_entry(e, group, t, how), t.contiguous())
+            writer.add(_entry(e, group, t, how, parallel), t.contiguous())
         run = {k: v for k, v in base.run.items() if k != "rank"}
         extra = {k: v for k, v in base.manifest.items()
                  if k not in ("format", "version", "run", "shards", "entries", "replay")}
@@ -148,11 +179,39 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
 def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
                    expect: list[int] | None, parallel: str | None) -> tuple[torch.Tensor, str]:
     """The logical tensor of the ranks' ``tensors`` of one entry, and how it was rebuilt
-    (``gathered``, ``batch``, ``mean``, ``replicated``, ``replicated-differs``)."""
+    (``gathered``, ``summed``, ``batch``, ``mean``, ``replicated``, ``replicated-differs``)."""
     layout = (entries[0].get("meta") or {}).get("layout")
-    phase, n = entries[0]["phase"], len(tensors)
     if layout:
-        return _from_placements(entries, tensors), "gathered"
+        return _from_placements(entries, tensors), "summed" if layout["placements"] == ["P"] else "gathered"
+    # A tensor-parallel rank ran the whole batch: what is not a shard is replicated (the loss
+    # too). A data-parallel rank ran its part of the batch:
+    if parallel != "tp":
+        split = _batch_part(entries, tensors, expect, parallel)
+        if split is not None:
+            return split
+    elif expect is not None and list(tensors[0].shape) != list(expect):
+        return _tp_part(entries[0]["key"], tensors, expect), "gathered"
+    same = all(torch.equal(tensors[0], t) for t in tensors[1:])
+    return tensors[0], "replicated" if same else "replicated-differs"
+
+
+def _tp_part(key: str, tensors: list[torch.Tensor], expect: list[int]) -> torch.Tensor:
+    """The parts of a tensor-parallel activation without a layout (a module outside the plan
+    computed it from local shards): joined in rank order along the one dim whose size is the
+    ranks' part of the logical one."""
+    shape, n = list(tensors[0].shape), len(tensors)
+    dims = [d for d in range(len(shape)) if len(shape) == len(expect) and shape[d] != expect[d]]
+    if len(dims) != 1 or shape[dims[0]] * n != expect[dims[0]]:
+        raise DriftcheckError(f"{key}: the tensor-parallel ranks hold shape {shape}, the other side "
+                              f"{list(expect)}: neither the whole tensor nor its part along one dim")
+    return torch.cat(tensors, dim=dims[0])
+
+
+def _batch_part(entries: list[dict[str, Any]], tensors: list[torch.Tensor], expect: list[int] | None,
+                parallel: str | None) -> tuple[torch.Tensor, str] | None:
+    """A data-parallel entry's logical tensor (the loss and DDP's gradients: the mean; a batch
+    slice: joined), or None where it is replicated."""
+    phase, n = entries[0]["phase"], len(tensors)
     if phase == "loss":
         return _mean(tensors), "mean"
     if phase == "grads" and parallel == "ddp":
@@ -169,8 +228,7 @@ def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
                                   "whole tensor")
         if phase == "backward":
             return _mean(tensors), "mean"
-    same = all(torch.equal(tensors[0], t) for t in tensors[1:])
-    return tensors[0], "replicated" if same else "replicated-differs"
+    return None
 
 
 def _from_placements(entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -178,7 +236,7 @@ def _from_placements(entries: list[dict[str, Any]], tensors: list[torch.Tensor])
     key = entries[0]["key"]
     if len(layout.get("mesh") or []) != 1:
         raise DriftcheckError(f"{key}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
-                              "1-D meshes (FSDP2) are rebuilt so far")
+                              "1-D meshes (FSDP2, TP) are rebuilt so far")
     coords = [(e.get("meta") or {}).get("layout", {}).get("coord") for e in entries]
     order = sorted(range(len(tensors)), key=lambda i: coords[i][0] if coords[i] else i)
     place = layout["placements"][0]
@@ -210,16 +268,17 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     return (t.double() * factor).to(t.dtype) if t.is_floating_point() else t
 
 
-def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how: str
-           ) -> dict[str, Any]:
+def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how: str,
+           parallel: str | None = None) -> dict[str, Any]:
     """The logical entry: rank 0's, with the logical tensor's shape and statistics; the meta
     that summarises a batch slice combined over the slices."""
     out = {k: v for k, v in e.items() if k not in ("tensor", "sample", "stats", "meta")}
     out["shape"] = list(t.shape)
     out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist())
     meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout")}
-    if e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and len(group) > 1:
-        meta["rank_split"] = len(group)  # a reduction across the ranks (compare/allowances.py)
+    if len(group) > 1 and (how == "summed" or (  # a reduction across the ranks (allowances.py)
+            e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and parallel != "tp")):
+        meta["rank_split"] = len(group)
     if how == "batch":
         metas = [g.get("meta") or {} for g in group]
         for k in meta:

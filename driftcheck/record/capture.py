@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,9 @@ class Capture:
         self.deferred = False
         self.host_now = False  # between a deferred device's steps: captures go to the host now
         self._host = tstats.HostSummaries(config.seed)
+        # module path -> the layout of a plain tensor there that is a tensor-parallel shard
+        # (record/tensor_parallel.py activation_layouts); empty unless --parallel tp
+        self.shards: dict[str, Callable[[str, str, torch.Tensor], dict[str, Any] | None]] = {}
         self.reset()
 
     def reset(self) -> dict[int, Known]:
@@ -149,6 +153,15 @@ class Capture:
             # compare_ranks judges what depends on it with the whole tensor's error (meta shard).
             extra = dict(extra or {}, shard=True, layout=dtensor_layout(t))
             t = t.to_local()
+        elif self.shards and module in self.shards:
+            layout = self.shards[module](phase, slot, t)  # a local shard a TP style handed over
+            if layout is not None:
+                extra = dict(extra or {}, shard=True, layout=layout)
+        if dev_meta and any(type(v) is not torch.Tensor for v in dev_meta.values()):
+            # operand magnitudes of a tensor-parallel call (DTensor weights): the whole tensor's,
+            # a collective every rank makes at the same hook (TP ranks run the same calls)
+            dev_meta = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                        for k, v in dev_meta.items()}
         if t.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): dense
             t = t.to_dense()
         skey = key_string(self.step, phase, module, call, slot)

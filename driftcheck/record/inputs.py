@@ -68,7 +68,8 @@ def replayed_inputs(model: nn.Module, config: RecordConfig, n_steps: int,
         raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
                               "re-record the reference")
     all_batches = joined if joined is not None else [decode_batch(d, tensors) for d in inputs]
-    if config.parallel and "world_size" not in meta and world:  # a single-process reference
+    if ranks.splits_batch(config.parallel) and "world_size" not in meta and world:
+        # a single-process reference, or the global batch of a multi-rank one
         assert rank is not None
         all_batches = [ranks.shard_batch(b, rank, world) for b in all_batches]
     if meta.get("cycle") or config.start:  # a long reference: from its replay point at `start`
@@ -98,7 +99,8 @@ def new_inputs(model: nn.Module, scenario: Scenario, config: RecordConfig, n_ste
     replay_id = uuid.uuid4().hex
     if config.parallel:
         assert rank is not None and world is not None  # joined the group: record._join_ranks
-        batches = [ranks.shard_batch(b, rank, world) for b in batches]
+        if ranks.splits_batch(config.parallel):  # TP: every rank takes the whole batch
+            batches = [ranks.shard_batch(b, rank, world) for b in batches]
         replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
     tensors: dict[str, torch.Tensor] = {}
     descs = [encode_batch(b, input_prefix(i), tensors) for i, b in enumerate(batches)]
@@ -126,4 +128,15 @@ def _joined_replay(run_dir: str | os.PathLike[str]
     parts = [[decode_batch(d, t) for d in m.get("inputs", [])] for t, m in replays]
     if len({len(p) for p in parts}) != 1:
         raise DriftcheckError(f"--replay {run_dir}: its ranks hold different numbers of steps")
+    if not splits_batch_of(run_dir):  # tensor parallel: each rank holds the whole batch
+        return tensors, meta, parts[0]
     return tensors, meta, [ranks.join_batches(list(step)) for step in zip(*parts)]
+
+
+def splits_batch_of(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether the ranks of a multi-rank record each hold a part of the batch (DDP, FSDP2), or
+    all of it (tensor parallel), as its rank 0's manifest says."""
+    from driftcheck.store.reader import TraceReader
+
+    dirs = rank_dirs(run_dir)
+    return not dirs or ranks.splits_batch(TraceReader(dirs[min(dirs)]).run.get("parallel") or "ddp")

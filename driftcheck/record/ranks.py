@@ -13,12 +13,15 @@ target replays a multi-rank reference rank by rank (the same world size), or a s
 reference, each rank taking its part of each batch (record/inputs.py).
 
 What each rank sees: the scenario's batch of every step is split along dim 0 into ``world_size``
-equal parts (rank ``r`` takes part ``r``), so the global batch is the single-process one. The
+equal parts (rank ``r`` takes part ``r``), so the global batch is the single-process one; under
+``--parallel tp`` (record/tensor_parallel.py) every rank takes the whole batch instead. The
 tracer hooks the inner module (module paths as without the wrapper), the training loop calls the
 wrapper. Hooks only copy local tensors, never communicate: FSDP's sharded parameters, gradients
 and optimizer state (DTensors) are recorded as this rank's local shard, and nothing a hook does
-can make ranks wait for each other. Under DDP the ``grads`` phase is the gradient as it reached
-the parameter on this rank; the all-reduced result shows in the optimizer phase.
+can make ranks wait for each other (under tensor parallelism every rank runs every hook:
+record/capture.py gathers a sharded Linear's operand magnitudes there). Under DDP the ``grads``
+phase is the gradient as it reached the parameter on this rank; the all-reduced result shows in
+the optimizer phase.
 """
 from __future__ import annotations
 
@@ -32,7 +35,13 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
 
-PARALLEL = ("ddp", "fsdp")
+PARALLEL = ("ddp", "fsdp", "tp")
+
+
+def splits_batch(parallel: str | None) -> bool:
+    """Whether the ranks of a ``parallel`` run each take a part of the batch (DDP, FSDP2) rather
+    than all of it (tensor parallel: every rank sees the whole batch)."""
+    return parallel in ("ddp", "fsdp")
 
 
 # -- recording ------------------------------------------------------------------------------------
@@ -115,9 +124,11 @@ def join_batches(parts: list[Any]) -> Any:
     return substitute(parts[0], "", join)
 
 
-def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, parallel: str, device: torch.device,
+         tp_plan: dict[str, Any] | None = None) -> nn.Module:
     """The module the training loop calls: DDP around ``model``, or ``model`` itself after
-    ``fully_shard`` (FSDP2 shards it in place and keeps its module paths)."""
+    ``fully_shard`` (FSDP2 shards it in place and keeps its module paths) or after the tensor-
+    parallel ``tp_plan`` (record/tensor_parallel.py)."""
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -126,6 +137,10 @@ def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         return cast(nn.Module, fully_shard(model))  # the same module, its class made FSDP's
+    if parallel == "tp":
+        from driftcheck.record.tensor_parallel import parallelize, plan_of
+
+        return parallelize(model, plan_of(model, tp_plan, None), device)
     raise DriftcheckError(f"--parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
 
 

@@ -4,7 +4,7 @@ The reference writes ``replay.safetensors`` (initial parameters and buffers, eve
 the seed of the CPU-generated dropout masks); a target started with ``replay=REF_DIR`` loads
 exactly those, casts them to its dtype and moves them to its device.
 
-With ``parallel="ddp"|"fsdp"`` (under torchrun) the same function records this rank into
+With ``parallel="ddp"|"fsdp"|"tp"`` (under torchrun) the same function records this rank into
 ``OUT/rank-<r>`` (driftcheck/record/ranks.py says what each rank sees).
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torch import nn
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
-from driftcheck.record import compilation, ranks, taps
+from driftcheck.record import compilation, ranks, taps, tensor_parallel
 from driftcheck.record.config import RecordConfig
-from driftcheck.record.inputs import Inputs, new_inputs, replayed_inputs
+from driftcheck.record.inputs import Inputs, new_inputs, replayed_inputs, splits_batch_of
 from driftcheck.record.loop import train
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.points import load_point_optimizer
@@ -65,6 +65,9 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
     tdtype = dtypes.parse_cli(config.dtype)
     _refuse_combinations(config)
     ranks_ = Ranks()
+    tp_plan = None
+    if config.parallel == "tp":  # before the process group: a model without a plan is bad input
+        tp_plan = tensor_parallel.plan_of(taps.unwrap(scenario.model), scenario.tp_plan, config.model_id)
     if config.parallel:
         config, device, ranks_ = _join_ranks(config, device)
     n_steps = int(config.steps if config.steps is not None else scenario.steps)
@@ -86,7 +89,7 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
     previous = precision.apply_settings(mkldnn=config.mkldnn)
     try:
         return _run(scenario, config.replace(seed=inputs.seed), model, user_compiled, inputs,
-                    device, tdtype, ranks_)
+                    device, tdtype, ranks_, tp_plan)
     finally:
         precision.apply_settings(**previous)
 
@@ -98,10 +101,10 @@ def _refuse_combinations(config: RecordConfig) -> None:
                               "--fp8, --simulate, --emulate and --view-audit (they run the model "
                               "eagerly or under a dispatch mode Dynamo does not trace)")
     if c.dist_backend and not c.parallel:
-        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp; "
+        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp|tp; "
                               "add --parallel or drop --dist-backend")
     if c.parallel and (c.fp8 or c.local is not None or c.simulate or c.view_audit or c.emulate):
-        raise DriftcheckError("--parallel records plain DDP/FSDP runs: drop --fp8, --local, "
+        raise DriftcheckError("--parallel records plain DDP/FSDP/TP runs: drop --fp8, --local, "
                               "--simulate, --emulate and --view-audit, or record a single process")
 
 
@@ -112,9 +115,11 @@ def _join_ranks(config: RecordConfig, device: torch.device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     replay = config.replay
-    # A reference of as many ranks: this rank's trace. Else (a single trace, or another number
-    # of ranks) the reference's global batch, of which this rank takes its part (inputs.py).
-    if replay is not None and len(rank_dirs(replay)) == world:
+    # A reference of as many ranks that split the batch alike: this rank's trace. Else (a
+    # single trace, another number of ranks, DDP/FSDP against TP) the reference's global batch,
+    # of which this rank takes its part, or all of it under TP (inputs.py).
+    if replay is not None and len(rank_dirs(replay)) == world \
+            and splits_batch_of(replay) == ranks.splits_batch(config.parallel):
         src = rank_dir(replay, rank)
         if not src.is_dir():
             raise DriftcheckError(f"--replay {replay} has no {src.name}: its ranks are not "
@@ -147,7 +152,7 @@ class _Model(NamedTuple):
 
 
 def _prepare(model: nn.Module, scenario: Scenario, config: RecordConfig, user_compiled: Any,
-             device: torch.device, tdtype: torch.dtype) -> _Model:
+             device: torch.device, tdtype: torch.dtype, tp_plan: dict[str, Any] | None) -> _Model:
     model.to(device=device)
     if tdtype != torch.float32:
         # Floating tensors only: Module.to(dtype) would also cast complex tensors to real,
@@ -159,7 +164,7 @@ def _prepare(model: nn.Module, scenario: Scenario, config: RecordConfig, user_co
 
         fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(config.fp8))
     hook = config.target_hooks(model) if config.target_hooks is not None else None
-    trained = ranks.wrap(model, config.parallel, device) if config.parallel else model
+    trained = ranks.wrap(model, config.parallel, device, tp_plan) if config.parallel else model
     compile_ = dict(config.compile) if config.compile else None
     if compile_:
         trained = compilation.wrap(trained, compile_)
@@ -185,11 +190,14 @@ def _phases(config: RecordConfig, scenario: Scenario, optimizer: Any) -> set[str
 
 
 def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compiled: Any,
-         inputs: Inputs, device: torch.device, tdtype: torch.dtype, ranks_: Ranks) -> Path:
+         inputs: Inputs, device: torch.device, tdtype: torch.dtype, ranks_: Ranks,
+         tp_plan: dict[str, Any] | None = None) -> Path:
     """Train the record's steps under the tracer and write the trace."""
-    m = _prepare(model, scenario, config, user_compiled, device, tdtype)
+    m = _prepare(model, scenario, config, user_compiled, device, tdtype, tp_plan)
     phases = _phases(config, scenario, m.optimizer)
-    dropout = DropoutControl(config.seed, ranks_.rank, ranks_.world)
+    # a rank's masks: its part of the global batch's (DDP, FSDP2), the whole batch's (TP)
+    dropout = DropoutControl(config.seed, ranks_.rank, ranks_.world) \
+        if ranks.splits_batch(config.parallel) else DropoutControl(config.seed)
     local_replay = _open_local(config.local, config.replay, inputs.replay_id, config.fp8, dropout) \
         if config.local is not None else None
     if local_replay is not None and config.compile:
@@ -201,6 +209,8 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
             writer.write_replay(inputs.tensors, inputs.meta)
         tracer = Tracer(model, writer, config.capture(phases=phases), optimizer=m.optimizer,
                         local=local_replay, compiled=m.compiled)
+        if tp_plan:  # the activations the plan's styles hand over as local shards
+            tracer.capture.shards = tensor_parallel.activation_layouts(model)
         tracer.step_index = config.start or 0
         tracer.attach()
         account = compilation.Account().start() if m.compiled else None
@@ -282,6 +292,8 @@ def _run_metadata(scenario: Scenario, config: RecordConfig, model: nn.Module, in
                        **({"rank": ranks_.rank, "world_size": ranks_.world, "parallel": c.parallel,
                            "backend": ranks_.backend} if c.parallel else {}),
                        **({"simulated_changes": contexts.fault.changes} if c.simulate else {}))
+    if c.parallel == "tp":
+        run["tensor_parallel"] = tensor_parallel.described(model)
     if c.emulate:
         run["emulation"] = {"backend": "tpu", "matmul_precision": c.emulate,
                             "ops": dict(sorted(emulation.calls.items()))}
