@@ -84,7 +84,9 @@ class ForwardHooks:
         call, parent = self.calls.open(name)
         if self.local is not None and not compiled:
             if parent in self._children:
-                self._children[parent].append(ChildCall(module, name, call))
+                given = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
+                self._children[parent].append(ChildCall(module, name, call, versions={
+                    id(t): t._version for _, t in given if not t.is_inference()}))
             if not is_leaf(module) and self.selection.module(name):
                 self._children[(name, call)] = []
         if not self.selection.module(name):
@@ -144,8 +146,10 @@ class ForwardHooks:
             if kid is not None:
                 kid.output = output
                 kid.mask_end = self.local.mask_index()
+                # an input returned as it is: not one an in-place module wrote (ReLU(inplace=True))
                 given = list(flatten(args, "input")) + list(flatten(kwargs, "input"))
-                kid.passed = {o: i for o, t in outputs for i, x in given if t is x}
+                kid.passed = {o: i for o, t in outputs for i, x in given
+                              if t is x and kid.versions.get(id(x), -1) == (-1 if x.is_inference() else x._version)}
         if not self.selection.module(name):
             return call
         ctx, dev_meta = self._call_meta(name, module, args, self.calls.top)

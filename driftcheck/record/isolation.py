@@ -66,7 +66,7 @@ def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
             leaves[:] = [(s, x) for s, x in leaves if x is not leaf]
         leaves.append((slot, leaf))
         given = leaf.clone()
-        given._driftcheck_input = True  # type: ignore[attr-defined]  # returned as is: passed_through()
+        given._driftcheck_input = given._version  # type: ignore[attr-defined]  # passed_through()
         return given
     args, kwargs = args_kwargs
     return substitute(args, "input", as_leaf), substitute(kwargs, "input", as_leaf)
@@ -76,7 +76,8 @@ def passed_through(t: torch.Tensor) -> bool:
     """Whether a replay's output is an input the module was given, returned as it is (a
     Bottleneck's ``hidden_states``, an attention's ``position_bias``): its gradient reaches the
     input outside the module's code, which the recorded input gradient does not hold."""
-    return bool(getattr(t, "_driftcheck_input", False))
+    given = getattr(t, "_driftcheck_input", None)
+    return given is not None and given == t._version  # not written in place (ReLU(inplace=True))
 
 
 def fork_rng(dev: torch.device) -> Any:

@@ -41,6 +41,7 @@ class ChildCall:
     output: Any = None  # the real call's output (its structure; tensors replaced in the replay)
     mask_end: int | None = None  # the dropout stream's index when the call returned
     done: bool = False
+    versions: dict[int, int] = dataclasses.field(default_factory=dict)  # id(input) -> its version then
     passed: dict[str, str] = dataclasses.field(default_factory=dict)  # output slot -> the input it is
 
 

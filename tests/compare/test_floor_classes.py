@@ -1174,3 +1174,25 @@ def test_an_input_returned_as_an_output_still_catches_a_fault(tmp_path):
     rep = _pair(tmp_path, lambda: _scenario(_UsesPassThrough, (2, 5, 16)), dtype="bf16",
                 hooks=scale_output("block.inner", 1.05))
     assert rep.verdict == "fail" and rep.first_divergence["module"] == "block.inner"
+
+
+class _InPlaceStem(nn.Module):
+    """A ResNet stem: ReLU(inplace=True) returns its input object, written in place: not an
+    input passed through (its replay's output is what it computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+        self.relu, self.pool, self.head = nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.pool(self.relu(self.bn(self.conv(x))))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype,threads", [("fp32", (1, 2)), ("bf16", None)])
+def test_an_in_place_module_is_not_an_input_passed_through(tmp_path, dtype, threads):
+    rep = _pair(tmp_path, lambda: _scenario(_InPlaceStem, (2, 3, 12, 12)), dtype=dtype, threads=threads)
+    assert rep.verdict == "pass", [(e.key, e.ratio, e.local_ratio) for e in _worst(rep)]
+    # the in-place ReLU's own backward is still replayed and judged
+    assert [e for e in rep.entries if e.module == "relu" and e.phase == "backward" and e.local_ratio is not None]
