@@ -244,7 +244,7 @@ def test_run_drills_a_failed_verdict_into_every_report(tmp_path):
     assert 'id="root-cause"' in html and "aten.silu_backward.default" in html
     assert html.index('id="root-cause"') < html.index('id="divergence"')
     assert "Root cause" in md.read_text() and "silu" in md.read_text()
-    assert "root cause" in p.stdout and "models/llama.py:117" in p.stdout.replace(str(ROOT) + "/", "")
+    assert "root cause" in p.stdout and "models/llama.py:119" in p.stdout.replace(str(ROOT) + "/", "")
     assert "recorded" in p.stderr or "recording" in p.stderr
 
 
