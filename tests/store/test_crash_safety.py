@@ -78,19 +78,33 @@ def test_ctrl_c_while_a_kernel_compiles_waits_for_the_compile():
     """SIGINT arriving while numba compiles a kernel (it calls back into Python through ctypes,
     where a KeyboardInterrupt is lost and the process then dies of the signal: the flake this
     fixed) is raised as KeyboardInterrupt once the compile is done, not inside it."""
-    import numba
     from numba.extending import overload
 
-    from driftcheck.numerics.kernels import hold_interrupts
 
     @overload(_signalled_while_typing)
     def _typing(x):  # runs while the kernel below compiles
-        os.kill(os.getpid(), signal.SIGINT)
+        # to this thread, now (os.kill may hand the process's signal to any other thread that
+        # does not block it, to be handled whenever that thread runs: a flake under load)
+        signal.raise_signal(signal.SIGINT)
         time.sleep(0.05)  # Python's handler runs here, at the next bytecode, without the hold
         return lambda x: x + 1.0
 
     def kernel(x):
         return _signalled_while_typing(x)
+
+    # Python's own SIGINT handler, whatever an earlier test in this process left installed (a
+    # library that ignores SIGINT: the signal would then never be raised at all)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _hold_then_raise(kernel)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _hold_then_raise(kernel) -> None:
+    import numba
+
+    from driftcheck.numerics.kernels import hold_interrupts
 
     held = hold_interrupts(numba.njit(kernel))  # no cache: every run of the test compiles
     with pytest.raises(KeyboardInterrupt):
