@@ -20,6 +20,7 @@ each dtype and capture (full, stats, compiled) must pass.
     python bench/sensitivity.py                 # 6 architectures (about 12 min on 2 cores)
     python bench/sensitivity.py --quick         # 3 architectures, sizes 0.1%, 1%, 2%, 5%
     python bench/sensitivity.py --models llama,vit --positions parent,leaf --json out.json
+    python bench/sensitivity.py --control       # judged with a control run (issue 47): what it hides
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c  # noqa: E402
+
+import torch  # noqa: E402
 
 from driftcheck.compare import compare  # noqa: E402
 from driftcheck.loader import load_scenario  # noqa: E402
@@ -73,12 +76,30 @@ def capture_of(position: str) -> str:
     return position if position in ("compiled", "stats") else "leaf"
 
 
-def run_case(root: Path, model: str, position: str, dtype: str, fault: Any, backend: str) -> Any:
-    """Record one target (``fault`` may be None: a control) and compare it with its reference."""
+def control_of(root: Path, model: str, ref: Path, dtype: str, stats: bool) -> Path:
+    """The control run of ``ref`` (recorded once): the reference device at ``dtype``, with
+    another intra-op thread count than the target's, as ``driftcheck run`` records it."""
+    ctl = ref.parent / f"control-{dtype}{'-stats' if stats else ''}"
+    if not (ctl / "manifest.json").exists():
+        old = torch.get_num_threads()
+        torch.set_num_threads(1 if old > 1 else 2)
+        try:
+            record(load_scenario(model), ctl, dtype=dtype, replay=ref, force=True, model_id=model,
+                   **({"mode": "stats"} if stats else {"local": ref}))
+        finally:
+            torch.set_num_threads(old)
+    return ctl
+
+
+def run_case(root: Path, model: str, position: str, dtype: str, fault: Any, backend: str,
+             control: bool = False) -> Any:
+    """Record one target (``fault`` may be None: a control) and compare it with its reference
+    (and with ``control``, the control run: an entry fails where both object)."""
     stats = position == "stats"
     ref = root / model.replace(":", "_") / ("ref-stats" if stats else "ref")
     if not (ref / "manifest.json").exists():
         record(load_scenario(model), ref, force=True, model_id=model, mode="stats" if stats else "full")
+    ctl = control_of(root, model, ref, dtype, stats) if control else None
     out = root / "target"
     # full mode replays locally, as `driftcheck run` does by default
     kw: dict[str, Any] = {"mode": "stats"} if stats else {"local": ref}
@@ -90,7 +111,7 @@ def run_case(root: Path, model: str, position: str, dtype: str, fault: Any, back
     finally:
         if fault is not None:
             fault.remove()
-    return compare(str(ref), str(out))
+    return compare(str(ref), str(out), control=str(ctl) if ctl is not None else None)
 
 
 def main() -> int:
@@ -99,7 +120,11 @@ def main() -> int:
                         sizes=dict(default=None, help="comma-separated relative sizes"),
                         dtypes=dict(default="fp32,bf16"),
                         compile_backend=dict(default="aot_eager"),
-                        json=dict(default=None, help="write every case here"))
+                        json=dict(default=None, help="write every case here"),
+                        control=dict(action="store_true",
+                                     help="judge with a control run (the reference device at the "
+                                          "target's dtype, another thread count), as driftcheck run does "
+                                          "when a verdict would fail"))
     models = args.models.split(",") if args.models else \
         (["llama", "vit", "hf:llama"] if args.quick else list(SITES))
     sizes = [float(s) for s in args.sizes.split(",")] if args.sizes else \
@@ -123,7 +148,8 @@ def main() -> int:
                             continue
                         fault, blame = made if made is not None else (None, None)
                         t0 = time.perf_counter()
-                        rep = run_case(root, model, position, dtype, fault, args.compile_backend)
+                        rep = run_case(root, model, position, dtype, fault, args.compile_backend,
+                                       args.control)
                         fd = rep.first_divergence or {}
                         case = {"model": model, "dtype": dtype, "position": position, "size": size,
                                 "expected": blame, "verdict": rep.verdict,

@@ -252,7 +252,9 @@ def _say_recorded(obj: Ctx, out: str, simulate: str | None) -> None:
               help="Override every ratio limit  [default: the policy's, 3.5 without one]")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the worst-entries table.")
 @click.option("--control", type=click.Path(), default=None,
-              help="Long runs: the control run whose distance from REF draws the band.")
+              help="A control run of the same replay (the reference device at the target's precision, "
+                   "as driftcheck run records it): an entry fails only where TARGET is also further from "
+                   "REF than the control is. Long runs: the control whose distance from REF draws the band.")
 @outputs_options
 @everywhere
 @click.pass_obj
@@ -275,11 +277,14 @@ def compare(obj: Ctx, ref: str, target: str, truth: str | None, policy_path: str
     policy = Policy.load(policy_path, search_dir=".")
     if is_multirank(ref) or is_multirank(target):
         # Run directories of a torchrun record (rank-0, rank-1, ...): rank by rank, one verdict.
+        if control is not None:
+            raise DriftcheckError("--control with multi-rank runs is not supported; compare them "
+                                  "without --control")
         report = compare_ranks(ref, target, policy=policy, limit=limit, truth=truth)
     else:
         with make_progress(obj) as p:
             task = p.add_task("comparing", total=None)
-            report = do_compare(ref, target, policy=policy, limit=limit, truth=truth,
+            report = do_compare(ref, target, policy=policy, limit=limit, truth=truth, control=control,
                                 on_progress=lambda i, n: p.update(task, completed=i, total=n))
     finish(obj, report, top, json_path, html_path, junit_path, md_path)
 

@@ -46,6 +46,12 @@ from driftcheck.store.remote import is_url
               help="Rerun every module of the target on the reference's inputs (a composite's own "
                    "code with its children's results taken from the reference): separates each "
                    "module's own error from what it inherits  [default: on with --mode full]")
+@click.option("--control/--no-control", "control", default=True, show_default=True,
+              help="When the verdict fails, record a control run (the reference device at the target's "
+                   "precision, another reduction order) into OUT/control and judge again: an entry fails "
+                   "only where the target is also further from the reference than the control is; "
+                   "where the control drifts as far, the model's code is named as sensitive to the "
+                   "precision.")
 @click.option("--drill/--no-drill", "drill", default=True, show_default=True,
               help="When the verdict fails, drill the first divergence down to the op, its source "
                    "line and a repro (OUT/drill).")
@@ -78,7 +84,7 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
         target_dtype: str, autocast: str | None, fp8: str | None, matmul_precision: str | None,
         emulate: str | None, mkldnn: str | None, compile_backend: str | None, compile_mode: str | None,
         dynamic: bool | None, reference_compile: str | None, truth: str | None, local: bool | None,
-        drill: bool, reference_env: tuple, target_env: tuple, out: str, force: bool,
+        control: bool, drill: bool, reference_env: tuple, target_env: tuple, out: str, force: bool,
         steps: int | None, seed: int, mode: str, include: tuple, exclude: tuple,
         full_modules: tuple, phases: str | None, capture_steps: str | None, transfer: str,
         view_audit: bool, simulate: str | None,
@@ -90,7 +96,7 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
     Before buying hardware: driftcheck run MODEL --target cpu --target-dtype bf16 --out run/
     Many steps: driftcheck run MODEL --target tpu --long --steps 3000 --out run/
     """
-    from driftcheck.record.run import Sides, record_sides
+    from driftcheck.record.run import Sides, record_control, record_sides
 
     if is_url(out):
         raise DriftcheckError(f"--out {out}: driftcheck run writes a local run directory (its sides run "
@@ -117,7 +123,7 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
     sides = Sides(model=model, out=Path(out), reference=ref_device, target=tgt_device,
                   reference_dtype=reference_dtype, target_dtype=target_dtype, autocast=autocast,
                   fp8=fp8, matmul_precision=matmul_precision, emulate=emulate, mkldnn=mkldnn,
-                  truth=truth, local=local,
+                  truth=truth, local=local, control=control,
                   steps=steps, seed=seed, mode=mode, force=force, include=include, exclude=exclude,
                   full_modules=full_modules, phases=phases, capture_steps=capture_steps,
                   transfer=transfer, view_audit=view_audit, simulate=simulate,
@@ -135,10 +141,18 @@ def run(obj: Ctx, model: str, ref_device: str, tgt_device: str, reference_dtype:
         from driftcheck.compare import compare as do_compare
         from driftcheck.gate.policy import Policy
 
+        say = None if obj.quiet else (lambda m: p.console.print(m, markup=False, highlight=False))
+        policy = Policy.load(policy_path, ".")
         task = p.add_task("comparing", total=None)
-        report = do_compare(str(ref_dir), str(tgt_dir), policy=Policy.load(policy_path, "."), limit=limit,
+        report = do_compare(str(ref_dir), str(tgt_dir), policy=policy, limit=limit,
                             truth=str(truth_dir) if truth else None,
                             on_progress=lambda i, n: p.update(task, completed=i, total=n))
+        ctl_dir = record_control(sides, ref_dir, debug=obj.debug, say=say, progress=p) \
+            if control and not report else None
+        if ctl_dir is not None:  # judged again: an entry fails where the control also says so
+            report = do_compare(str(ref_dir), str(tgt_dir), policy=policy, limit=limit,
+                                truth=str(truth_dir) if truth else None, control=str(ctl_dir),
+                                on_progress=lambda i, n: p.update(task, completed=i, total=n))
         if drill and not report and mode == "full":
             from driftcheck.cli.drill import drill_after_run
 

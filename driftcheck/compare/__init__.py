@@ -46,8 +46,8 @@ class Comparison:
                  limit: float | None = None, truth: TraceReader | None = None,
                  chunk_elems: int = 1 << 17, workers: int | None = None,
                  on_progress: Callable[[int, int], None] | None = None,
-                 whole: Whole | None = None) -> None:
-        self.ref, self.tgt, self.truth = ref, tgt, truth
+                 whole: Whole | None = None, control: TraceReader | None = None) -> None:
+        self.ref, self.tgt, self.truth, self.control = ref, tgt, truth, control
         # align key -> (rel rms, rel max) of the whole tensor this rank holds a shard of (FSDP):
         # what its dependents inherit (driftcheck/compare/ranks.py measures it over the ranks)
         self.whole = whole or {}
@@ -61,12 +61,16 @@ class Comparison:
         self.warnings: list[str] = []
         self.ref_entries, self.tgt_entries = entries_of(ref), entries_of(tgt)
         self.truth_entries = entries_of(truth) if truth is not None else []
+        self.control_entries = entries_of(control) if control is not None else []
 
     def run(self) -> Report:
         self.warnings += check_runs(self.ref, self.tgt, self.ref_entries, self.tgt_entries)
+        if self.control is not None:
+            self.warnings += [f"control: {w}" for w in check_runs(
+                self.ref, self.control, self.ref_entries, self.control_entries)]
         self.policy.check_traces({e.module for e in self.ref_entries}, {e.step for e in self.ref_entries})
         alignment = Alignment.of(self.ref_entries, self.tgt_entries, self.truth_entries,
-                                 self.ref.manifest.get("tied_params"))
+                                 self.ref.manifest.get("tied_params"), self.control_entries)
         findings = Findings(self.ref, self.tgt, self.findings)
         findings.alignment(alignment.ref_map, alignment.tgt_map)
         tgt_map = alignment.tgt_map
@@ -82,8 +86,10 @@ class Comparison:
         findings.nonfinite(entries)
         findings.precision()
         verdict = Verdict(self.policy, self.limit_override, alignment.index)
+        findings.model_sensitivity(entries, self.control, verdict.blame_module)
         report = verdict.report(entries, self.findings.items, self.warnings,
                                 (self.ref.run, self.tgt.run, self.truth.run if self.truth is not None else None))
+        report.control = self.control.run if self.control is not None else None
         attach(report)  # the known defects its findings show (the drill adds the op-level ones)
         return report
 
@@ -102,7 +108,9 @@ class Comparison:
                      inheritance=Inheritance(index, norms),
                      allowances=Allowances(index, ledger, scales, magnitudes, decisions),
                      opinions=Opinions(self.measurer, kinks, alignment.local_map, alignment.truth_map, self.truth,
-                                       index=alignment.index, tgt_map=tgt_map),
+                                       index=alignment.index, tgt_map=tgt_map, control=self.control,
+                                       control_map=alignment.control_map,
+                                       control_local_map=alignment.control_local_map),
                      whole=self.whole)
 
     def judge_all(self, judge: Judge, alignment: Alignment) -> list[Entry]:
@@ -138,7 +146,7 @@ class Comparison:
 def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy | None = None,
             limit: float | None = None, truth: str | TraceReader | None = None,
             on_progress: Callable[[int, int], None] | None = None,
-            whole: Whole | None = None) -> Report:
+            whole: Whole | None = None, control: str | TraceReader | None = None) -> Report:
     """Compare a target trace against a reference trace.
 
     Args:
@@ -149,6 +157,9 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
         on_progress: called with (done, total) as pairs are measured and entries judged.
         whole: for a rank of a sharded run, the relative error (rms, max) of each whole tensor
             this rank records a shard of, by align key (compare_ranks measures it).
+        control: a control run of the same replay, the reference device at the target's
+            precision (``driftcheck run`` records it when the verdict would fail): an entry
+            fails only when the analytic floor and the control both say so.
 
     Returns:
         The Report; ``bool(report)`` is True when it passed.
@@ -156,5 +167,6 @@ def compare(ref: str | TraceReader, target: str | TraceReader, *, policy: Policy
     r = ref if isinstance(ref, TraceReader) else TraceReader(ref)
     t = target if isinstance(target, TraceReader) else TraceReader(target)
     tr = truth if truth is None or isinstance(truth, TraceReader) else TraceReader(truth)
+    cr = control if control is None or isinstance(control, TraceReader) else TraceReader(control)
     return Comparison(r, t, policy=policy, limit=limit, truth=tr, on_progress=on_progress,
-                      whole=whole).run()
+                      whole=whole, control=cr).run()

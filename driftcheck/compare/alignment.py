@@ -3,6 +3,7 @@ traces describe the same model and the same steps."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from driftcheck.compare.entries import TraceEntry
@@ -24,17 +25,23 @@ class Alignment:
     tgt_map: dict[TraceKey, TraceEntry]  # the target's own entries (not its local replays)
     local_map: dict[TraceKey, TraceEntry]  # a local replay (slot local.*) by the entry it replays
     truth_map: dict[TraceKey, TraceEntry]
+    # the control run (the reference device at the target's precision): its entries and its
+    # local replays, as the target's
+    control_map: dict[TraceKey, TraceEntry] = dataclasses.field(default_factory=dict)
+    control_local_map: dict[TraceKey, TraceEntry] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, ref: list[TraceEntry], tgt: list[TraceEntry], truth: list[TraceEntry],
-           tied: list[dict[str, str]] | None = None) -> Alignment:
+           tied: list[dict[str, str]] | None = None, control: Sequence[TraceEntry] = ()) -> Alignment:
         ref_entries = sorted(ref, key=lambda e: (e.step, fmt.PHASE_RANK[e.phase], e.order))
         # Local-replay captures (slot local.*) stand beside the entry they replay; they are not
         # aligned with the reference on their own.
         return cls(ref_entries, DependencyIndex(ref_entries, tied), {e.align: e for e in ref_entries},
                    {e.align: e for e in tgt if not is_local_slot(e.slot)},
                    {e.align.with_slot(base_slot(e.slot)): e for e in tgt if is_local_slot(e.slot)},
-                   {e.align: e for e in truth})
+                   {e.align: e for e in truth},
+                   {e.align: e for e in control if not is_local_slot(e.slot)},
+                   {e.align.with_slot(base_slot(e.slot)): e for e in control if is_local_slot(e.slot)})
 
 
 def check_runs(ref: TraceReader, tgt: TraceReader, ref_entries: list[TraceEntry],

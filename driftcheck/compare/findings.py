@@ -3,6 +3,7 @@ casts, NaN/Inf origin, precision settings, view events), and the log they are ke
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -12,7 +13,7 @@ from driftcheck.compare.entries import TraceEntry, gradient_slot
 from driftcheck.compare.index import Call
 from driftcheck.compare.propagation import Propagated
 from driftcheck.compare.roundoff import autocast_roundoff
-from driftcheck.gate.report import NONFINITE, Entry, Finding
+from driftcheck.gate.report import NONFINITE, OK, Entry, Finding
 from driftcheck.numerics import dtypes
 from driftcheck.store.keys import TraceKey, is_local_slot
 from driftcheck.store.reader import TraceReader
@@ -200,6 +201,37 @@ class Findings:
                 "judged; fix the reference run first", phase=bad_ref.phase, key=bad_ref.key,
                 severity="warning"))
 
+    def model_sensitivity(self, entries: list[Entry], control: TraceReader | None,
+                          maker: Callable[[Entry], str]) -> None:
+        """Where the control run (the reference device at the target's precision) drifts beyond
+        the analytic floor as far as the target does: the model's own code computes something
+        else at that precision there (a constant that absorbs a small addend, a weight computed
+        in the stream's dtype). Named per module, first entry each, as the model's sensitivity
+        to the precision, never as a defect of the target. ``maker``: the module whose code
+        made an entry's tensor (a forward input: its parent's)."""
+        if control is None:
+            return
+        dtype = str(control.run.get("dtype") or "the target's precision")
+        seen: set[str] = set()
+        for e in entries:
+            got = _control_rescued(e)
+            module = maker(e) if got is not None else ""
+            if got is None or module in seen:
+                continue
+            seen.add(module)
+            which, c = got
+            self.log.add(Finding(
+                "precision.model_sensitive", module, e.step,
+                f"{e.key}: the control run (the reference device at {dtype}) is "
+                f"{c['control_ratio']:.3g}x the {which} noise floor here too, and the target no further "
+                f"from the reference than {c['m']:g}x the control: the model's code computes something "
+                f"else at {dtype} in {module or '(model)'}'s code (its sensitivity to the precision), "
+                "not a defect of the target", phase=e.phase, key=e.key, severity="warning",
+                details={"which": which, "control_ratio": c["control_ratio"],
+                         "err_control": c["err_control"], "err_target": c["err_target"]}))
+            if len(seen) >= 8:
+                break
+
     def precision(self) -> None:
         """The precision settings that differ between the runs (they explain drift)."""
         rp, tp = self.ref.run.get("precision") or {}, self.tgt.run.get("precision") or {}
@@ -214,6 +246,20 @@ class Findings:
                 "and fp8, and for other reduction orders (threads, CPU kernels) by its sqrt(K) "
                 "terms", severity="warning",
                 details={"settings": [{"setting": k, "reference": a, "target": b} for k, a, b in diffs]}))
+
+
+def _control_rescued(e: Entry) -> tuple[str, dict[str, Any]] | None:
+    """("analytic" or "local", the control's opinion) where the control passed an entry whose
+    analytic (or local) floor it is itself far over; None elsewhere."""
+    d = e.details or {}
+    limit = e.limit if e.limit is not None else math.inf
+    c = d.get("control")
+    if e.decided_by == "control" and c and c.get("control_ratio", 0.0) > limit:
+        return "analytic", c
+    lc = (d.get("local") or {}).get("control")
+    if lc and lc.get("control_ratio", 0.0) > limit and (d.get("local") or {}).get("status") == OK:
+        return "local", lc
+    return None
 
 
 VIEW_TOLERANCE_CAP = 0.5  # a write that lands wrong changes its base by O(1)

@@ -196,7 +196,7 @@ class Judge:
                          "scale_rms": scale.rms, "inherited_rel": inh_rms}
         if logits > 1.0:
             details_floor["softmax_logit_max"] = logits
-        return self.decide(c, fi, f.rms, ratio, details_floor, deps)
+        return self.decide(c, fi, f, ratio, details_floor, deps)
 
     def terms(self, r: TraceEntry) -> int | None:
         """K, the terms the entry's own sum adds (the floor's accumulation growth sqrt(K))."""
@@ -248,10 +248,11 @@ class Judge:
                                                      rel_max=max(e.rel_max, sparse, flip_max), sparse=sparse,
                                                      sparse_max=flip_max)
 
-    def decide(self, c: Case, fi: fl.FloorInputs, floor: float, ratio: float,
+    def decide(self, c: Case, fi: fl.FloorInputs, f: fl.Floor, ratio: float,
                details_floor: dict[str, Any], deps: list[TraceEntry]) -> Entry:
-        """The entry's status: over the limit (the analytic ratio, or the truth run's where more
-        lenient), or its module's own error over it (the local replay); ignored by the policy."""
+        """The entry's status: over the limit (the analytic ratio, or the truth run's or the
+        control run's where more lenient), or its module's own error over it (the local
+        replay, the control's local replay where recorded); ignored by the policy."""
         r, t, m, details, limit, ignore = c.r, c.t, c.m, c.details, c.limit, c.ignore
         decided_by = "analytic"
         truth = self.opinions.truth_run(r, t, fi, limit)
@@ -261,6 +262,11 @@ class Judge:
             # lenient of the two, and the judge that gave it decided.
             if truth["ratio"] < ratio:
                 ratio, decided_by = truth["ratio"], "truth"
+        control = self.opinions.control_run(r, m, fi, f, limit)
+        if control is not None:
+            details["control"] = control
+            if control["ratio"] < ratio:  # the same rule: both must object
+                ratio, decided_by = control["ratio"], "control"
         local = self.opinions.local(r, fi, limit)
         if local is not None:
             details["local"] = local
@@ -276,6 +282,6 @@ class Judge:
             status = OK
         if ignore and status != OK:
             status = IGNORED
-        return Entry(**c.base, metrics=m, floor=floor, ratio=ratio, status=status,
+        return Entry(**c.base, metrics=m, floor=f.rms, ratio=ratio, status=status,
                      decided_by=decided_by, local_ratio=local["ratio"] if local else None,
                      rule=ignore or c.rule, details=details)

@@ -1,5 +1,6 @@
 """Second opinions on an entry: the target's local replay of its module (the error the module
-adds itself) and the float64 truth run (TorchDynamo's accuracy rule)."""
+adds itself), the float64 truth run (TorchDynamo's accuracy rule) and the control run (the
+reference device at the target's precision: how far a correct run at that precision drifts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,9 @@ from driftcheck.store.keys import TraceKey
 from driftcheck.store.reader import TraceReader
 
 TRUTH_M, TRUTH_M_LOW = 2.0, 3.0  # TorchDynamo's multipliers: fp32 targets, bf16/fp16 targets
+# The control run is a correct run at the target's own precision: the target may be this many
+# times further from the reference than the control is (plus the op's own rounding).
+CONTROL_M = 2.0
 
 
 def local_floor(fi: fl.FloorInputs) -> fl.Floor:
@@ -48,9 +52,14 @@ class Opinions:
     def __init__(self, measurer: Measurer, kinks: Kinks, local_map: dict[TraceKey, TraceEntry],
                  truth_map: dict[TraceKey, TraceEntry], truth: TraceReader | None,
                  index: DependencyIndex | None = None,
-                 tgt_map: dict[TraceKey, TraceEntry] | None = None) -> None:
+                 tgt_map: dict[TraceKey, TraceEntry] | None = None,
+                 control: TraceReader | None = None,
+                 control_map: dict[TraceKey, TraceEntry] | None = None,
+                 control_local_map: dict[TraceKey, TraceEntry] | None = None) -> None:
         self.measurer, self.kinks = measurer, kinks
         self.tgt_map = tgt_map or {}
+        self.control = control
+        self.control_map, self.control_local_map = control_map or {}, control_local_map or {}
         self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
         self.index = index
         self._outputs: dict[tuple[int, str, int], int] | None = None  # forward outputs per call
@@ -107,12 +116,49 @@ class Opinions:
                 flips = judged["kink_flips"]
                 ratio = math.inf if flips["unexplained"] else \
                     f.ratio(judged.get("rms", 0.0), judged.get("max_abs", 0.0))
+        control = self._control(r, self.control_local_map.get(r.align), m, f, limit, f) \
+            if ratio > limit else None
+        if control is not None:
+            control["analytic_ratio"] = ratio
+            ratio = min(ratio, control["ratio"])  # both must object: the control drifts as far locally
         status = NONFINITE if m.get("nonfinite_new", 0) > 0 else (DRIFT if ratio > limit else OK)
         out = {"ratio": ratio, "status": status, "floor": f.rms, "floor_max": f.max,
                "rms": m.get("rms"), "max_abs": m.get("max_abs"),
                "nonfinite_new": m.get("nonfinite_new", 0), "key": le.key}
         if flips is not None:
             out["kink_flips"] = flips
+        if control is not None:
+            out["control"] = control
+        return out
+
+    def control_run(self, r: TraceEntry, m: dict[str, Any], fi: fl.FloorInputs, analytic: fl.Floor,
+                    limit: float) -> dict[str, Any] | None:
+        """The control's judgement of the target's entry (its metrics ``m`` against the
+        reference): a correct run at the target's precision, the reference device's, drifted
+        ``err_c`` from the reference here; the target is as good when err_t <= M * err_c + tol,
+        tol the op's own rounding (the local analytic floor: a control that happens to be very
+        exact cannot make the bound vanish). On the policy's scale, as the truth run's. Also
+        the control's own ratio over the analytic floor: where it is over the limit, the
+        model's code at that precision computes something else (the precision, not the target).
+        None without a control entry."""
+        return self._control(r, self.control_map.get(r.align), m, local_floor(fi), limit, analytic)
+
+    def _control(self, r: TraceEntry, ce: TraceEntry | None, m: dict[str, Any], tol: fl.Floor,
+                 limit: float, analytic: fl.Floor | None = None) -> dict[str, Any] | None:
+        if self.control is None or ce is None or list(ce.shape) != list(r.shape) \
+                or not dtypes.is_float(ce.dtype) or m.get("nonfinite_new", 0):
+            return None
+        err_c = self.measurer.measure(self.measurer.ref, r, self.control, ce).metrics
+        if err_c.get("nonfinite_new", 0):
+            return None  # the control itself overflowed here: no word on the target
+        c_rms, c_max = err_c.get("rms", 0.0), err_c.get("max_abs", 0.0)
+        bound = fl.Floor(CONTROL_M * c_rms + tol.rms, CONTROL_M * c_max + tol.max, local_rms=tol.rms,
+                         inherited_rms=CONTROL_M * c_rms)
+        out = {"ratio": limit * bound.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0)), "m": CONTROL_M,
+               "err_control": c_rms, "err_control_max": c_max, "err_target": m.get("rms"),
+               "control_key": ce.key}
+        if analytic is not None:
+            out["control_ratio"] = analytic.ratio(c_rms, c_max)  # the control over the analytic floor
         return out
 
     def update(self, r: TraceEntry, le: TraceEntry, limit: float) -> dict[str, Any] | None:

@@ -137,8 +137,11 @@ def _decided_by(entries: list[Entry], gate_findings: list[Finding], first: Entry
     judged = [e for e in entries if e.status != IGNORED]  # ignored ones are not within it
     worst = max((e.ratio for e in judged if e.ratio is not None and math.isfinite(e.ratio)),
                 default=0.0)
+    by_control = sum(_by_control(e, e.limit if e.limit is not None else limit) for e in judged)
+    control = (f"; {by_control} of them over the analytic floor but no further from the reference "
+               "than the control run (a correct run at the target's precision)") if by_control else ""
     return (f"all {len(judged)} entries within the limit (worst ratio "
-            f"{worst:.3g} <= {limit:g}) and no finding fails the gate")
+            f"{worst:.3g} <= {limit:g}) and no finding fails the gate{control}")
 
 
 # Findings that name a defect for certain (inplace.value_mismatch compares values, which drift;
@@ -177,6 +180,14 @@ def _ignored_words(entries: list[Entry], findings: list[Finding]) -> str:
     return f"; ignored by the policy: {what} ({shown}{more})"
 
 
+def _by_control(e: Entry, limit: float) -> bool:
+    """Whether the control run passed this entry over its analytic (or local) floor."""
+    d = e.details or {}
+    local = d.get("local") or {}
+    return (e.decided_by == "control" and d.get("analytic_ratio", 0.0) > limit) or \
+        ((local.get("control") or {}).get("analytic_ratio", 0.0) > limit and local.get("status") == OK)
+
+
 def _decisive(e: Entry) -> str:
     """The first divergence in words, with the number that failed and where it came from: the
     local replay's ratio when the propagated one is within the limit, else the propagated (or
@@ -189,7 +200,8 @@ def _decisive(e: Entry) -> str:
                if e.phase == "optimizer" else "the module's own error replayed on the reference's inputs")
         return (f"{where}: local ratio {_fmt_ratio(e.local_ratio)} > limit {e.limit:g} ({e.rule}, "
                 f"{how}; propagated ratio {_fmt_ratio(e.ratio)} is within it)")
-    source = "truth run" if e.decided_by == "truth" else "propagated"
+    source = {"truth": "truth run", "control": "and the control run drifts less"}.get(
+        e.decided_by or "", "propagated")
     return f"{where}: ratio {_fmt_ratio(e.ratio)} > limit {e.limit:g} ({e.rule}, {source})"
 
 

@@ -41,7 +41,7 @@ class Entry:
     floor: float | None
     ratio: float | None
     status: str
-    decided_by: str | None = None  # "analytic" | "truth" | "exact" | None
+    decided_by: str | None = None  # "analytic" | "truth" | "control" | "exact" | None
     local_ratio: float | None = None  # from local replay, when recorded
     rule: str | None = None  # the policy rule that judged this entry
     limit: float | None = None  # the limit its ratio was judged against
@@ -67,6 +67,7 @@ class Report:
     limit: float
     decided_by: str = ""  # one sentence: the rule that decided the verdict
     truth: dict[str, Any] | None = None
+    control: dict[str, Any] | None = None  # the control run's metadata, where one was compared
     warnings: list[str] = dataclasses.field(default_factory=list)
     policy: dict[str, Any] = dataclasses.field(default_factory=dict)
     root_cause: dict[str, Any] | None = None  # the op a drill-down named (driftcheck/drill)
@@ -93,6 +94,7 @@ class Report:
             "reference": clean(self.reference),
             "target": clean(self.target),
             "truth": clean(self.truth),
+            "control": clean(self.control),
             "first_divergence": clean(self.first_divergence),
             "root_cause": clean(self.root_cause),
             "warnings": list(self.warnings),
@@ -113,7 +115,8 @@ class Report:
             verdict=d["verdict"], reference=d.get("reference", {}), target=d.get("target", {}),
             first_divergence=unnum(d.get("first_divergence")), entries=entries, findings=findings,
             limit=float(unnum(d.get("limit")) or 0.0), decided_by=d.get("decided_by", ""),
-            truth=d.get("truth"), warnings=list(d.get("warnings", [])), policy=d.get("policy", {}),
+            truth=d.get("truth"), control=d.get("control"), warnings=list(d.get("warnings", [])),
+            policy=d.get("policy", {}),
             root_cause=unnum(d.get("root_cause")),
         )
 

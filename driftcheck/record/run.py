@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ class Sides:
     emulate: str | None = None  # "tpu": the target computes its matmuls as a TPU does
     mkldnn: str | None = None  # "on"/"off": oneDNN's CPU kernels in the target's process
     truth: str | None = None  # "fp64": a float64 record on CPU from the same replay
+    control: bool = True  # record_control: the reference device at the target's precision
     local: bool = False
     steps: int | None = None
     seed: int = 0
@@ -110,6 +112,7 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
     else:
         os.environ[devices.AUTOLOAD_VAR] = user_autoload
     out = prepare_run_dir(sides.out, sides.force)
+    shutil.rmtree(out / layout.CONTROL, ignore_errors=True)  # an earlier run's: recorded anew if needed
     common = sides.capture_args()
     ref_dir, tgt_dir, truth_dir = out / layout.REFERENCE, out / layout.TARGET, out / layout.TRUTH
     ref_env, tgt_env = env_args(sides.reference_env), env_args(sides.target_env)
@@ -146,6 +149,58 @@ def record_sides(sides: Sides, *, debug: bool = False, say: Callable[[str], None
         for side in [reference, *later]:
             side.stop()
     return out, ref_dir, tgt_dir, truth_dir if sides.truth else None
+
+
+THREADS_VAR = "OMP_NUM_THREADS"
+
+
+def control_side(sides: Sides, ref_dir: Path, ctl_dir: Path) -> tuple[list[str], dict[str, str], str] | None:
+    """The control run's ``record`` options, environment and label: the reference device at the
+    target's precision (its dtype, autocast, fp8 and matmul precision; none of its backend's
+    settings), replaying the reference, with local replays where the target has them. On a CPU
+    reference, another intra-op thread count than the reference's and a CPU target's: another
+    reduction order, so that it is not the target's own computation again. None where it
+    would tell nothing: a reference of another device at the target's own precision."""
+    ref_type = devices.parse_device(sides.reference)[0]
+    same = sides.reference_dtype.lower() == sides.target_dtype.lower() and not (
+        sides.autocast or sides.fp8 or sides.matmul_precision)
+    if same and ref_type != "cpu":
+        return None
+    args = [sides.model, "--out", str(ctl_dir), "--device", sides.reference, "--dtype", sides.target_dtype,
+            "--replay", str(ref_dir)] + sides.capture_args()
+    for flag, val in (("--autocast", sides.autocast), ("--fp8", sides.fp8),
+                      ("--matmul-precision", sides.matmul_precision)):
+        if val:
+            args += [flag, val]
+    args += ["--local", str(ref_dir)] if sides.local else ["--no-local"]
+    env = dict(sides.reference_env)
+    what = f"the reference device at {sides.target_dtype}"
+    if ref_type == "cpu":
+        def threads(side_env: dict[str, str]) -> str:
+            return side_env.get(THREADS_VAR) or os.environ.get(THREADS_VAR) or str(os.cpu_count() or 1)
+
+        taken = {threads(sides.reference_env)}
+        if devices.parse_device(sides.target)[0] == "cpu":
+            taken.add(threads(sides.target_env))
+        n = next(i for i in range(1, len(taken) + 2) if str(i) not in taken)
+        env[THREADS_VAR] = str(n)
+        what += f", {n} thread{'s' if n > 1 else ''}"
+    return args + env_args(env), env, f"control ({what})"
+
+
+def record_control(sides: Sides, ref_dir: Path, *, debug: bool = False,
+                   say: Callable[[str], None] | None = None, progress: Any = None) -> Path | None:
+    """Record the control run (``control_side``) into the run directory beside the reference;
+    its directory, or None where no control applies. ``driftcheck run`` records it only when
+    the verdict without it fails: the control can only pass an entry the analytic floor
+    failed (both must object), so a pass needs no control."""
+    ctl_dir = ref_dir.parent / layout.CONTROL
+    side = control_side(sides, ref_dir, ctl_dir)
+    if side is None:
+        return None
+    args, env, label = side
+    record_side(args, label, debug, say, progress, env=env)
+    return ctl_dir
 
 
 def check(sides: Sides) -> None:

@@ -218,8 +218,9 @@ META_ALWAYS = ("model_id", "device", "dtype", "mode", "steps", "seed", "host", "
 def _meta_rows(report: Report) -> list[dict[str, Any]]:
     """Both runs' metadata side by side, flattened to dotted keys; differing values flagged."""
     sides = [dict(_flatten(report.reference)), dict(_flatten(report.target))]
-    if report.truth:
-        sides.append(dict(_flatten(report.truth)))
+    for other in (report.truth, report.control):
+        if other:
+            sides.append(dict(_flatten(other)))
     keys: list[str] = []
     for side in sides:
         keys.extend(k for k in side if k not in keys)
