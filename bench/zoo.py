@@ -35,6 +35,14 @@ rms(faulty - reference) / floor, as bench/faults.py does. An architecture that c
 or trained in plain PyTorch is listed as "could not build"; a record or compare that raises
 counts as a failure of that case, with its one-line error.
 
+With --control-run a case that fails is judged again with a control run, as `driftcheck run`
+does (docs/diagnosis.md, "The control run"): the reference device at the target's precision
+(its dtype or autocast) with another intra-op thread count, recorded once per mode, precision
+and replay; an entry fails only where the analytic floor and the control both object. The
+processes take the caller's PYTHONHASHSEED (recorded in the results' meta): run the corpus
+with several (PYTHONHASHSEED=1 python bench/zoo.py ...) for models whose call order follows a
+set's.
+
 With --compile BACKEND every target (controls and defect) is recorded through torch.compile with
 that backend against the same eager fp32 reference, as `driftcheck record --compile` does: no
 local replay and no view audit there (a compiled record takes neither), so each control and the
@@ -185,9 +193,11 @@ class _Threads:
 
 def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str, ...] = ("full", "stats"),
              controls: tuple[str, ...] = tuple(CONTROLS), locals_: tuple[bool, ...] = (True, False),
-             compile: str | None = None) -> dict[str, Any]:
+             compile: str | None = None, control_run: bool = False) -> dict[str, Any]:
     """The whole protocol for one architecture; never raises for the model's or driftcheck's
-    errors (they are in the result). ``compile``: the targets' torch.compile backend."""
+    errors (they are in the result). ``compile``: the targets' torch.compile backend.
+    ``control_run``: a case that fails is judged again with a control run, as ``driftcheck
+    run`` does (the reference device at the target's precision, another thread count)."""
     family, build = CATALOGUE[name]
     res: dict[str, Any] = {"name": name, "family": family, "status": "ok", "controls": [], "faults": []}
     if compile:
@@ -224,15 +234,17 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
         refs = {"full": ref, "stats": ref_stats}
         wrong = tuple(wrong_bf16_convs(pristine.model))  # this machine's bf16 kernel, checked once
         floors: dict[str, float] = {}
+        ctl_runs: dict[tuple, Path] | None = {} if control_run else None
         for mode in modes:
             for control in controls:
                 for local in locals_:
                     res["controls"].append(_case(pristine, build, name, refs, root, mode, local,
                                                  control=control, floors=floors, wrong_convs=wrong,
-                                                 compile=compile))
+                                                 compile=compile, control_runs=ctl_runs))
             for local in locals_:
                 res["faults"].append(_case(pristine, build, name, refs, root, mode, local,
-                                           fault=res["fault_module"], floors=floors, compile=compile))
+                                           fault=res["fault_module"], floors=floors, compile=compile,
+                                           control_runs=ctl_runs))
     finally:
         res["secs"] = time.perf_counter() - t_all
         shutil.rmtree(root, ignore_errors=True)
@@ -242,7 +254,7 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
 def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: dict[str, Path],
           root: Path, mode: str, local: bool, control: str | None = None, fault: str | None = None,
           floors: dict[str, float] | None = None, wrong_convs: tuple[str, ...] = (),
-          compile: str | None = None) -> dict[str, Any]:
+          compile: str | None = None, control_runs: dict[tuple, Path] | None = None) -> dict[str, Any]:
     opts = dict(CONTROLS[control]) if control else {}
     threads = opts.pop("threads", 1)
     env = opts.pop("env", None)
@@ -262,6 +274,10 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
                        view_audit=mode == "full" and not compile,
                        target_hooks=scale_output(fault, FACTOR) if fault else None, **opts)
         rep = compare(refs[mode], out)
+        if control_runs is not None and rep.verdict == "fail":
+            ctl = control_of(pristine, build, name, refs, root, mode, local, opts, threads, control_runs)
+            rep = compare(refs[mode], out, control=ctl)
+            case["control_run"] = True
         case.update(summarize_report(rep))
         fd = rep.first_divergence or {}
         if control in ("bf16", "autocast") and rep.verdict == "fail" and fd.get("module") in wrong_convs:
@@ -291,6 +307,24 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
         if mode == "full" and floors and floors.get(fault):
             case["size_floors"] = _size(refs["full"], out, key) / floors[fault]
     return case
+
+
+def control_of(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: dict[str, Path],
+               root: Path, mode: str, local: bool, opts: dict[str, Any], threads: int,
+               made: dict[tuple, Path]) -> Path:
+    """The control run of a case (recorded once per mode, precision and replay): the reference
+    device at the target's precision (its dtype or autocast), with another intra-op thread
+    count than the reference's and the target's, as ``driftcheck run`` records it."""
+    precision = {k: v for k, v in opts.items() if k in ("dtype", "autocast")}
+    n = next(i for i in range(1, 4) if i not in (1, threads))
+    key = (mode, local, tuple(sorted(precision.items())), n)
+    if key not in made:
+        out = root / f"control-{len(made)}"
+        with _Threads(n):
+            record(fresh(pristine, build), out, mode=mode, replay=refs["full"], force=True, model_id=name,
+                   local=refs["full"] if local else None, **precision)
+        made[key] = out
+    return made[key]
 
 
 def record_elsewhere(name: str, out: Path, env: dict[str, str], *, mode: str, replay: Path,
@@ -358,7 +392,8 @@ def worker(args: argparse.Namespace) -> int:
         try:
             res = run_arch(name, args.work, modes, compile=args.compile,
                            controls=tuple(args.controls.split(",")) if args.controls else tuple(CONTROLS),
-                           locals_=(True,) if args.local_only else (True, False))
+                           locals_=(True,) if args.local_only else (True, False),
+                           control_run=args.control_run)
         except ArchTimeout as e:
             res = {"name": name, "family": CATALOGUE[name][0], "status": "timeout", "error": str(e),
                    "secs": float(args.timeout), "controls": [], "faults": []}
@@ -401,6 +436,9 @@ def main() -> int:
                     "already in it are kept (an interrupted run goes on), new ones written there")
     ap.add_argument("--local-only", action="store_true",
                     help="record the targets with the local replay only (not also without it)")
+    ap.add_argument("--control-run", action="store_true",
+                    help="judge a failing case again with a control run (the reference device at the "
+                         "target's precision, another thread count), as driftcheck run does")
     ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

@@ -39,7 +39,8 @@ def run_workers(names: list[str], args: argparse.Namespace, script: Path,
            "--timeout", str(args.timeout)] + (["--work", args.work] if args.work else []) + (
            ["--compile", args.compile] if getattr(args, "compile", None) else []) + (
            ["--controls", args.controls] if getattr(args, "controls", None) else []) + \
-        (["--local-only"] if getattr(args, "local_only", False) else [])
+        (["--local-only"] if getattr(args, "local_only", False) else []) + \
+        (["--control-run"] if getattr(args, "control_run", False) else [])
 
     def spawn(i: int) -> subprocess.Popen:
         log = open(resdir / f"worker-{i}.log", "ab")
@@ -110,6 +111,8 @@ def meta(args: argparse.Namespace, secs: float) -> dict[str, Any]:
             "modes": args.modes, "jobs": args.jobs, "timeout": args.timeout, "wall_secs": secs,
             "cpus": os.cpu_count(), "compile": getattr(args, "compile", None),
             "controls": getattr(args, "controls", None),
+            "control_run": getattr(args, "control_run", False),
+            "python_hash_seed": os.environ.get("PYTHONHASHSEED"),
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
