@@ -224,9 +224,10 @@ class Findings:
                 "precision.model_sensitive", module, e.step,
                 f"{e.key}: the control run (the reference device at {dtype}) is "
                 f"{c['control_ratio']:.3g}x the {which} noise floor here too, and the target no further "
-                f"from the reference than {c['m']:g}x the control: the model's code computes something "
-                f"else at {dtype} in {module or '(model)'}'s code (its sensitivity to the precision), "
-                "not a defect of the target", phase=e.phase, key=e.key, severity="warning",
+                f"from the reference than {c['m']:g}x the control: the precision's doing in "
+                f"{module or '(model)'}'s code (code that computes something else at {dtype}, or a "
+                "pattern the analytic floor does not model), not a defect of the target",
+                phase=e.phase, key=e.key, severity="warning",
                 details={"which": which, "control_ratio": c["control_ratio"],
                          "err_control": c["err_control"], "err_target": c["err_target"]}))
             if len(seen) >= 8:

@@ -89,6 +89,19 @@ def test_a_two_percent_defect_in_glue_code_is_still_found_at_bf16_with_the_contr
     assert rep.first_divergence["blame_module"] == "layers.1.mlp"
 
 
+def test_a_third_party_floor_gap_passes_with_the_control_and_is_named(tmp_path):
+    """Mixtral's router auxiliary loss: a clean bf16 run over the analytic floor (a pattern it
+    does not model) passes with the control, named where it drifts."""
+    model = f"{DATA / 'fragile.py'}:mixtral_aux"
+    record(load_scenario(model), tmp_path / "ref", dtype="fp32")
+    tgt = _record(tmp_path, "t", dtype="bf16", model=model)
+    assert compare(tmp_path / "ref", tgt).verdict == "fail"
+    rep = compare(tmp_path / "ref", tgt, control=_record(tmp_path, "control", dtype="bf16", threads=2,
+                                                         model=model))
+    assert rep.verdict == "pass", rep.decided_by
+    assert any(f.kind == "precision.model_sensitive" for f in rep.findings)
+
+
 def test_the_control_side_is_the_reference_device_at_the_targets_precision_in_another_order(tmp_path):
     ref, ctl = tmp_path / "reference", tmp_path / "control"
     sides = Sides(model="llama", out=tmp_path, target="cpu", target_dtype="bf16", local=True,

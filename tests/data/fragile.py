@@ -33,3 +33,20 @@ def build(seed=0):
     return Scenario(model=Net(), inputs=[torch.randn(16, 8), torch.randn(16, 8)],
                     loss=lambda out, batch: out.pow(2).mean(),
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=2)
+
+
+def mixtral_aux(seed=0):
+    """transformers' Mixtral with its router auxiliary loss: the router logits' output gradient
+    at bf16 is ~11x what the analytic floor allows, on a correct run at that precision too."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+                        max_position_embeddings=64, use_cache=False, attn_implementation="eager")
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(3, 64, (2, 16), generator=g) for _ in range(2)]
+    return Scenario(model=MixtralForCausalLM(cfg), inputs=[{"input_ids": i, "labels": i} for i in ids],
+                    loss=lambda out, batch: out.loss,
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), steps=2)
