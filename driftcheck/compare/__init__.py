@@ -25,6 +25,7 @@ from driftcheck.compare.opinions import Opinions
 from driftcheck.compare.propagation import Ledger
 from driftcheck.compare.roundoff import Roundoff
 from driftcheck.compare.scale import Scales
+from driftcheck.compare.slices import Slices
 from driftcheck.compare.verdict import Verdict, attach_histograms
 from driftcheck.errors import DriftcheckError
 from driftcheck.gate.policy import Policy
@@ -105,7 +106,7 @@ class Comparison:
         return Judge(policy=self.policy, limit_override=self.limit_override, alignment=alignment,
                      ledger=ledger, findings=findings, measurer=self.measurer, roundoff=roundoff,
                      magnitudes=magnitudes, norms=norms, kinks=kinks, decisions=decisions, scales=scales,
-                     inheritance=Inheritance(index, norms),
+                     inheritance=Inheritance(index, norms, Slices(self.ref)),
                      allowances=Allowances(index, ledger, scales, magnitudes, decisions),
                      opinions=Opinions(self.measurer, kinks, alignment.local_map, alignment.truth_map, self.truth,
                                        index=alignment.index, tgt_map=tgt_map, control=self.control,

@@ -18,6 +18,7 @@ from driftcheck.compare.index import DependencyIndex
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.norms import Norms, through_norm
 from driftcheck.compare.propagation import Propagated
+from driftcheck.compare.slices import Slices
 from driftcheck.numerics import floor as fl
 from driftcheck.store.keys import TraceKey
 
@@ -117,14 +118,14 @@ class Inheritance:
     """The relative error an entry inherits: the largest of its dependencies', raised by the
     terms below where the op passes absolute error on (each a method, applied in order)."""
 
-    def __init__(self, index: DependencyIndex, norms: Norms) -> None:
-        self.index, self.norms = index, norms
+    def __init__(self, index: DependencyIndex, norms: Norms, slices: Slices | None = None) -> None:
+        self.index, self.norms, self.slices = index, norms, slices
 
     def inherited(self, x: Inherit) -> Rel:
         """(rms, max) relative error ``x.r`` inherits from its dependencies ``x.deps`` (their
         propagated errors ``x.inh``), relative to its floor's scale."""
         rel = (max((p.rel_rms for p in x.inh), default=0.0), max((p.rel_max for p in x.inh), default=0.0))
-        for term in (self.through_norm, self.norm_propagated, self.same_tensor, self.composite_noise,
+        for term in (self.through_norm, self.norm_propagated, self.same_tensor, self.slice_of, self.composite_noise,
                      self.mean_of_output, self.running_statistic, self.linear_gradient,
                      self.weight_times_flip, self.squared_moment):
             rel = term(x, rel)
@@ -180,6 +181,15 @@ class Inheritance:
             return rel
         return self._absolute(x, rel, lambda d, _: ((same is not None and same(d)) or identical(d, r))
                               and _same_values(d.shape, r.shape))
+
+    def slice_of(self, x: Inherit, rel: Rel) -> Rel:
+        """A forward tensor cut from one it depends on (compare/slices.py: a class token split
+        off a stage's output) holds its source's absolute error: a slice small by cancellation
+        carries its neighbours' error, not the source's relative error times its own size."""
+        r, slices = x.r, self.slices
+        if slices is None or r.phase != "forward" or not x.scale.ref_rms > 0:
+            return rel
+        return self._absolute(x, rel, lambda d, _: d.phase == "forward" and slices.cut_from(r, d))
 
     def composite_noise(self, x: Inherit, rel: Rel) -> Rel:
         """A tensor that is pure noise (its error over its own size, capped) says nothing of the
