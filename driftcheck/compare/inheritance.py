@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.entries import TraceEntry, gradient_slot
 from driftcheck.compare.index import DependencyIndex
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.norms import Norms, through_norm
@@ -120,12 +120,14 @@ class Inheritance:
 
     def __init__(self, index: DependencyIndex, norms: Norms, slices: Slices | None = None) -> None:
         self.index, self.norms, self.slices = index, norms, slices
+        self._l1: dict[str, float | None] = {}  # an output gradient's l1 norm, by key
 
     def inherited(self, x: Inherit) -> Rel:
         """(rms, max) relative error ``x.r`` inherits from its dependencies ``x.deps`` (their
         propagated errors ``x.inh``), relative to its floor's scale."""
         rel = (max((p.rel_rms for p in x.inh), default=0.0), max((p.rel_max for p in x.inh), default=0.0))
-        for term in (self.through_norm, self.norm_propagated, self.same_tensor, self.slice_of, self.composite_noise,
+        for term in (self.through_norm, self.norm_propagated, self.same_tensor, self.slice_of,
+                     self.loss_of_outputs, self.composite_noise,
                      self.mean_of_output, self.running_statistic, self.linear_gradient,
                      self.weight_times_flip, self.squared_moment):
             rel = term(x, rel)
@@ -190,6 +192,42 @@ class Inheritance:
         if slices is None or r.phase != "forward" or not x.scale.ref_rms > 0:
             return rel
         return self._absolute(x, rel, lambda d, _: d.phase == "forward" and slices.cut_from(r, d))
+
+    def loss_of_outputs(self, x: Inherit, rel: Rel) -> Rel:
+        """The loss inherits its inputs' error through the loss function, to first order:
+        |dL| <= sum |dL/dz| |dz| = ||g||_1 |dz|, g the model's output gradient the reference
+        recorded (the backward of that output). Not the outputs' relative error times the loss:
+        after a step that made the model confident, a cross-entropy of 0.005 moves by its logits'
+        margin's absolute error (it is exponential in the margin), ten times the loss's share."""
+        r = x.r
+        if r.phase != "loss" or not x.scale.ref_rms > 0:
+            return rel
+        inh_rms, inh_max = rel
+        for d, p in zip(x.deps, x.inh):
+            g = self.index.by_align.get(TraceKey(r.step, "backward", d.module, d.call, gradient_slot(d.slot)))
+            g_l1 = self._grad_l1(g) if g is not None and d.phase == "forward" else None
+            if g_l1:
+                inh_rms = max(inh_rms, linear_rel(g_l1 * p.rms, x.scale.ref_rms))
+                if x.scale.ref_max > 0:
+                    inh_max = max(inh_max, linear_rel(g_l1 * p.max, x.scale.ref_max))
+        if (inh_rms, inh_max) != rel:
+            x.details["loss_through_outputs"] = inh_rms
+        return inh_rms, inh_max
+
+    def _grad_l1(self, g: TraceEntry) -> float | None:
+        """||g||_1 of a reference gradient: its full tensor, else its sample's mean |g| times
+        its size (stats mode), else None."""
+        if g.key not in self._l1:
+            ref = self.slices.ref if self.slices is not None else None
+            got = None
+            for which in ("tensor", "sample"):
+                t = ref.tensor(g.raw, which) if ref is not None and which in g.raw else None
+                if t is not None and t.numel() and t.is_floating_point():
+                    got = float(t.double().abs().sum()) * (1.0 if which == "tensor"
+                                                           else math.prod(g.shape) / t.numel())
+                    break
+            self._l1[g.key] = got
+        return self._l1[g.key]
 
     def composite_noise(self, x: Inherit, rel: Rel) -> Rel:
         """A tensor that is pure noise (its error over its own size, capped) says nothing of the
