@@ -4,7 +4,9 @@ attributes (put back after it), and the random number generators (forked, set to
 state). Also the fresh autograd leaves a replay's backward starts from."""
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -119,3 +121,20 @@ def set_rng_state(state: tuple[torch.Tensor, Any] | None) -> None:
             mod.set_rng_state(dev_state)
         except (AttributeError, RuntimeError, TypeError):
             pass
+
+
+@contextlib.contextmanager
+def no_saved_tensors_hooks() -> Iterator[None]:
+    """The saved-tensor hooks in force suspended for the block (torch.utils.checkpoint's
+    non-reentrant recomputation counts and checks every tensor its region saves; activation
+    offloading moves them): a replay's saved tensors are not the run's, and the run's own
+    recomputation must find exactly what its forward saved."""
+    stack = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stack.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)

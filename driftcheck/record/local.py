@@ -43,6 +43,7 @@ from driftcheck.record.isolation import (
     collected,
     drew,
     fork_rng,
+    no_saved_tensors_hooks,
     ours,
     passed_through,
     rng_state,
@@ -380,7 +381,7 @@ class LocalReplay:
             drop_state = (self.dropout.index, len(self.dropout.masks))
             self.dropout.index = mark[0]  # the real call's first mask index
         try:
-            with fork_rng(dev):
+            with fork_rng(dev), no_saved_tensors_hooks():
                 set_rng_state(rng)
                 yield
         finally:
