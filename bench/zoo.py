@@ -5,6 +5,7 @@ the same protocol: clean controls must pass, an injected defect must fail at its
     bash bench/zoo_env.sh                          # torchvision + timm into bench/.zoo-site
     python bench/zoo.py --jobs 2 --json zoo.json   # the whole corpus (~30-40 min on 2 cores)
     python bench/zoo.py --families hf,diffusers --limit 5
+    python bench/zoo.py --only "$(python -c 'import sys; sys.path.insert(0, "bench"); import zoo_more; print(",".join(zoo_more.MORE))')"
     python bench/zoo.py --only timm_vit,hf_roberta --modes full
     python bench/zoo.py --only tv_resnet,hf_led --modes full --controls isa_default,isa_avx2,mkldnn_off
     python bench/zoo.py --compile inductor --modes full --limit 12   # compiled targets
@@ -88,6 +89,7 @@ from driftcheck.store import TraceReader  # noqa: E402
 def _catalogue() -> dict[str, tuple[str, Callable[[], Scenario]]]:
     import zoo_hf
     import zoo_hf_media
+    import zoo_more
     import zoo_timm
 
     cat: dict[str, tuple[str, Callable[[], Scenario]]] = {}
@@ -95,6 +97,9 @@ def _catalogue() -> dict[str, tuple[str, Callable[[], Scenario]]]:
                           ("hf", {**zoo_hf.HF_TEXT, **zoo_hf_media.HF_MEDIA}),
                           ("diffusers", zoo_hf_media.DIFFUSERS)):
         cat.update({name: (family, build) for name, build in table.items()})
+    prefixes = {"tv_": "torchvision", "timm_": "timm", "hf_": "hf"}  # the second round (issue 47)
+    cat.update({name: (next(f for p, f in prefixes.items() if name.startswith(p)), build)
+                for name, build in zoo_more.MORE.items()})
     return cat
 
 
@@ -275,6 +280,7 @@ def _case(pristine: Scenario, build: Callable[[], Scenario], name: str, refs: di
                        target_hooks=scale_output(fault, FACTOR) if fault else None, **opts)
         rep = compare(refs[mode], out)
         if control_runs is not None and rep.verdict == "fail":
+            case["alone"] = summarize_report(rep)  # the analytic floor's word, without the control
             ctl = control_of(pristine, build, name, refs, root, mode, local, opts, threads, control_runs)
             rep = compare(refs[mode], out, control=ctl)
             case["control_run"] = True

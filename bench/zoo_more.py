@@ -134,14 +134,15 @@ TEXT: dict[str, tuple[str, str, dict[str, Any]]] = {
     # encoders (masked LM heads) with other attention: LSH + reversible, Nystrom, LSH, Fourier,
     # multi-resolution, latent cross-attention
     # Reformer reseeds the global RNG from torch.seed() in each layer (for its reversible
-    # backward): hashes from hash_seed and no dropout, or no two runs would agree
+    # backward): hashes from hash_seed and no dropout, or no two runs would agree. Its bucket
+    # cache (use_cache, the config's default) is live state a local replay must not write into
     "hf_reformer": ("ReformerConfig", "ReformerModelWithLMHead", dict(
         vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, attention_head_size=8,
         attn_layers=["local", "lsh"], axial_pos_shape=[4, 4], axial_pos_embds_dim=[16, 16],
         feed_forward_size=64, local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2,
         num_hashes=1, hash_seed=0, is_decoder=True, max_position_embeddings=SEQ,
         hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
-        lsh_attention_probs_dropout_prob=0.0, pad_token_id=PAD, eos_token_id=2, use_cache=False)),
+        lsh_attention_probs_dropout_prob=0.0, pad_token_id=PAD, eos_token_id=2)),
     "hf_yoso": ("YosoConfig", "YosoForMaskedLM", dict(_ENC, use_expectation=True)),
     "hf_perceiver": ("PerceiverConfig", "PerceiverForMaskedLM", dict(
         vocab_size=VOCAB, max_position_embeddings=SEQ, num_latents=8, d_latents=32, d_model=32,

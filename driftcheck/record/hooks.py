@@ -16,6 +16,7 @@ from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.calls import Calls, call_label
 from driftcheck.record.capture import Capture
 from driftcheck.record.compilation import unaccounted
+from driftcheck.record.isolation import holds_state, private_state
 from driftcheck.record.meta import (
     backward_meta,
     call_k,
@@ -63,6 +64,9 @@ class ForwardHooks:
         self._kinks: dict[str, Any] = {}  # module path -> its kinks, "ties" or None
         # a composite call open now -> the child calls its own code made (its local replay)
         self._children: dict[tuple[str, int], list[ChildCall]] = {}
+        # a call open now that was handed a cache -> its arguments with the cache as it was
+        # when the call began (its local replay starts from that state, on a copy)
+        self._states: dict[tuple[str, int], tuple[tuple, dict]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -89,6 +93,8 @@ class ForwardHooks:
                     id(t): t._version for _, t in given if not t.is_inference()}))
             if not is_leaf(module) and self.selection.module(name):
                 self._children[(name, call)] = []
+            if holds_state((args, kwargs)):
+                self._states[(name, call)] = private_state((args, kwargs))
         if not self.selection.module(name):
             return call
         ctx = {"parent": call_label(parent), "call_start": self.capture.order}
@@ -139,6 +145,7 @@ class ForwardHooks:
         the call's number."""
         name_, call = self.calls.close(name)
         children = self._children.pop((name_, call), None)
+        at_start = self._states.pop((name_, call), None)
         if self._children and self.calls.top in self._children and not compiled:
             # a child call of the composite open now: what answers it in that one's replay
             kid = next((c for c in reversed(self._children[self.calls.top])
@@ -179,7 +186,7 @@ class ForwardHooks:
         elif self.local is not None and self.capture.wants("forward") \
                 and (is_leaf(module) or children is not None):
             with torch._C._EnableTorchFunction():  # the user's module, as it ran
-                self._local_replay(name, call, module, args, kwargs, ctx, children)
+                self._local_replay(name, call, module, *(at_start or (args, kwargs)), ctx, children)
         return call
 
     def replay_compiled(self) -> None:

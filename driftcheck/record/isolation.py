@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from driftcheck.nested import substitute
+from driftcheck.nested import CACHE, LEAF, MAPPING, SEQUENCE, fold, substitute
 
 POST_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -71,7 +71,59 @@ def as_leaves(args_kwargs: tuple[tuple, dict], needs_grad: set[str],
         given._driftcheck_input = given._version  # type: ignore[attr-defined]  # passed_through()
         return given
     args, kwargs = args_kwargs
-    return substitute(args, "input", as_leaf), substitute(kwargs, "input", as_leaf)
+    return private_state(substitute(args, "input", as_leaf)), private_state(substitute(kwargs, "input", as_leaf))
+
+
+def _containers_copied(o: Any, depth: int) -> Any:
+    """A copy of ``o`` whose lists, dicts, sets and objects are copies down to ``depth`` and
+    whose tensors are the same tensors (a cache's update reassigns them: torch.cat)."""
+    container = isinstance(o, (list, dict, set, tuple))
+    if isinstance(o, (torch.Tensor, nn.Module)) or depth < 0 or (type(o).__module__ == "builtins"
+                                                                 and not container):
+        return o
+    if isinstance(o, (list, tuple, set)):
+        return type(o)(_containers_copied(v, depth - 1) for v in o)
+    if isinstance(o, dict):
+        return {k: _containers_copied(v, depth - 1) for k, v in o.items()}
+    try:
+        c = copy.copy(o)
+        for k, v in vars(c).items():
+            setattr(c, k, _containers_copied(v, depth - 1))
+        return c
+    except Exception:
+        return o
+
+
+def _stateful(o: Any, k: str) -> bool:
+    return k == CACHE or (k == LEAF and not isinstance(o, nn.Module) and type(o).__module__ != "builtins"
+                          and any(callable(getattr(o, a, None)) for a in ("get_seq_length", "update")))
+
+
+def holds_state(obj: Any) -> bool:
+    """Whether ``obj`` holds a cache (``private_state``'s), anywhere in its structure."""
+    def found(path: str, o: Any, k: str, children: Any) -> bool:
+        return _stateful(o, k) or (k in (MAPPING, SEQUENCE) and any(v for _, v in children()))
+    return fold(obj, "", found)
+
+
+def private_state(obj: Any) -> Any:
+    """``obj`` with every cache in it (a Hugging Face ``Cache``; any object that keeps state
+    across calls the way one does: ``get_seq_length``, ``update``) replaced by a deep copy: the
+    replay's attention must not write into the live run's cache (Reformer's bucket cache took a
+    replay's buckets, and the next layer joined float32 to its int64 ones)."""
+    def rebuild(path: str, o: Any, k: str, children: Any) -> Any:
+        if _stateful(o, k):
+            try:
+                return copy.deepcopy(o)
+            except Exception:  # tensors of the live graph (deepcopy takes leaves only)
+                return _containers_copied(o, 3)
+        if k == MAPPING and isinstance(o, dict):
+            return dict(children())
+        if k == SEQUENCE:
+            rebuilt = (v for _, v in children())
+            return tuple(rebuilt) if isinstance(o, tuple) else list(rebuilt)
+        return o
+    return fold(obj, "", rebuild)
 
 
 def passed_through(t: torch.Tensor) -> bool:
