@@ -328,7 +328,7 @@ def control_of(pristine: Scenario, build: Callable[[], Scenario], name: str, ref
         out = root / f"control-{len(made)}"
         with _Threads(n):
             record(fresh(pristine, build), out, mode=mode, replay=refs["full"], force=True, model_id=name,
-                   local=refs["full"] if local else None, **precision)
+                   local=refs["full"] if local else None, view_audit=mode == "full", **precision)
         made[key] = out
     return made[key]
 

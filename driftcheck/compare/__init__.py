@@ -72,7 +72,7 @@ class Comparison:
         self.policy.check_traces({e.module for e in self.ref_entries}, {e.step for e in self.ref_entries})
         alignment = Alignment.of(self.ref_entries, self.tgt_entries, self.truth_entries,
                                  self.ref.manifest.get("tied_params"), self.control_entries)
-        findings = Findings(self.ref, self.tgt, self.findings)
+        findings = Findings(self.ref, self.tgt, self.findings, self.control)
         findings.alignment(alignment.ref_map, alignment.tgt_map)
         tgt_map = alignment.tgt_map
         pairs = [(r, tgt_map[r.align]) for r in alignment.ref_entries

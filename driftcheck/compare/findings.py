@@ -43,8 +43,9 @@ class FindingLog:
 class Findings:
     """What the two traces show besides drift, added to ``log`` (the judge adds its own)."""
 
-    def __init__(self, ref: TraceReader, tgt: TraceReader, log: FindingLog) -> None:
-        self.ref, self.tgt, self.log = ref, tgt, log
+    def __init__(self, ref: TraceReader, tgt: TraceReader, log: FindingLog,
+                 control: TraceReader | None = None) -> None:
+        self.ref, self.tgt, self.log, self.control = ref, tgt, log, control
 
     def alignment(self, ref_map: EntryMap, tgt_map: EntryMap) -> None:
         """Entries one run holds and the other does not (a compiled run's capture gaps are
@@ -153,7 +154,28 @@ class Findings:
         if ref_ev and tgt_ev and not blind:
             from driftcheck.audit import views
 
-            self.log.extend(views.compare_events(ref_ev, tgt_ev, view_tolerance(self.ref.run, self.tgt.run, errors)))
+            found = views.compare_events(ref_ev, tgt_ev, view_tolerance(self.ref.run, self.tgt.run, errors))
+            self.log.extend(self._as_control_shows(found, views, ref_ev, errors))
+
+    def _as_control_shows(self, found: list[Finding], views: Any, ref_ev: Any,
+                          errors: Mapping[TraceKey, Propagated]) -> list[Finding]:
+        """The view/in-place findings the control run shows too (the same kind in the same
+        module at the same step, against the same reference) are the precision's doing: the
+        model's code at that precision (an ``x.to(dtype)`` that is the tensor itself in float32
+        and a copy in bfloat16, written into), not the target's. They become warnings."""
+        ctl_ev = self.control.manifest.get("view_events") if self.control is not None else None
+        if not found or not ctl_ev or self.control is None:
+            return found
+        shown = {(f.kind, f.module, f.step) for f in views.compare_events(
+            ref_ev, ctl_ev, view_tolerance(self.ref.run, self.control.run, errors))}
+        dtype = str(self.control.run.get("dtype") or "the target's precision")
+        for f in found:
+            if (f.kind, f.module, f.step) in shown and f.severity != "warning":
+                f.severity = "warning"
+                f.message = (f"the control run (the reference device at {dtype}) shows it too: the "
+                             f"precision's doing in the model's code, not the target's: {f.message}")
+                f.details = dict(f.details or {}, control="shows it too")
+        return found
 
     def fp8(self) -> None:
         """Summarise the target's fp8 casts (amax, scale, flushed and saturated fractions)."""

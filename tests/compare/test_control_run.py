@@ -143,3 +143,23 @@ def test_run_records_the_control_only_when_the_verdict_would_fail(tmp_path):
     assert p.returncode == 2
     p = dc("run", "mlp", "--target", "cpu", "--target-dtype", "bf16", "--out", str(tmp_path / "mlp"))
     assert p.returncode == 0 and not (tmp_path / "mlp" / "control").exists()
+
+
+def test_a_view_finding_the_control_shows_too_is_the_precisions_and_a_warning(tmp_path):
+    model = f"{DATA / 'fragile.py'}:cast_write"
+    record(load_scenario(model), tmp_path / "ref", dtype="fp32", view_audit=True)
+    for name, threads in (("t", None), ("control", 2)):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads or old)
+        try:
+            record(load_scenario(model), tmp_path / name, dtype="bf16", replay=tmp_path / "ref",
+                   local=tmp_path / "ref", view_audit=True)
+        finally:
+            torch.set_num_threads(old)
+    alone = compare(tmp_path / "ref", tmp_path / "t")
+    bad = [f for f in alone.findings if f.kind.startswith(("view.", "inplace."))]
+    assert alone.verdict == "fail" and bad and bad[0].severity == "error"  # view.write_not_through_view
+    rep = compare(tmp_path / "ref", tmp_path / "t", control=tmp_path / "control")
+    same = [f for f in rep.findings if f.kind.startswith(("view.", "inplace."))]
+    assert same and all(f.severity == "warning" and "control run" in f.message for f in same)
+    assert rep.verdict == "pass", rep.decided_by

@@ -50,3 +50,25 @@ def mixtral_aux(seed=0):
     return Scenario(model=MixtralForCausalLM(cfg), inputs=[{"input_ids": i, "labels": i} for i in ids],
                     loss=lambda out, batch: out.loss,
                     optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), steps=2)
+
+
+class CastWrite(nn.Module):
+    """``h[:, :4].to(float32)`` is a view of ``h`` in float32 and a copy in bfloat16: the write
+    through it reaches ``h`` only in float32 (DeepSeek-V2's rotary part is cast and written so)."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        part = h[:, :4].to(torch.float32)
+        part.mul_(0.5)
+        return self.out(h)
+
+
+def cast_write(seed=0):
+    torch.manual_seed(seed)
+    return Scenario(model=CastWrite(), inputs=[torch.randn(8, 8), torch.randn(8, 8)],
+                    loss=lambda out, batch: out.pow(2).mean(),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=2)
