@@ -35,12 +35,16 @@ def _view(op, source, sizes, strides=None, offset=0, *, args=None, aliased=True,
     return event
 
 
+def _fingerprint(value):
+    return {"sum": value, "abs_sum": abs(value) + 1.0, "checksum": value, "checksum_scale": abs(value) + 1.0}
+
+
 def _write(op, sizes, strides=None, offset=0, *, value=1.0, changed=True):
-    fingerprint = {"sum": value, "abs_sum": abs(value) + 1.0, "checksum": value,
-                   "checksum_scale": abs(value) + 1.0}
+    # a base the write changed held other values before it
     return {"step": 0, "module": "attn", "op": op, "kind": "inplace", "arg": "self",
             "dtype": "float32", **_layout(sizes, strides, offset), "aliased": True,
-            "base_changed": changed, "value": fingerprint, "value_before": dict(fingerprint)}
+            "base_changed": changed, "value": _fingerprint(value),
+            "value_before": _fingerprint(value - 10.0 if changed else value)}
 
 
 def _numbered(events):
@@ -126,6 +130,23 @@ def test_equal_writes_issued_unequally_often_are_not_paired():
                      _write("aten.copy_.default", [6], value=7.0, changed=False)])
     tgt = _numbered([ref[3], ref[4]])
     assert compare_events(ref, tgt, 0.0) == []
+
+
+def test_a_write_into_uninitialised_memory_that_holds_nan_is_not_judged_lost():
+    # DeepSeek-V2 fills a new_empty tensor in two slice writes: after the first, the other
+    # half still holds whatever the memory held, NaN bit patterns included: no fingerprint
+    nan = {"sum": None, "abs_sum": None, "checksum": None, "checksum_scale": None}
+    ref = _numbered([_write("aten.copy_.default", [4, 2], [6, 1], 0, value=3.0)])
+    tgt = _numbered([dict(ref[0], base_changed=False, value=nan, value_before=nan)])
+    assert compare_events(ref, tgt, 0.01) == []
+    lost = _numbered([dict(ref[0], base_changed=False, value=_fingerprint(-7.0),
+                           value_before=_fingerprint(-7.0))])
+    assert [f.kind for f in compare_events(ref, lost, 0.01)] == ["inplace.base_not_updated"]
+    # both changed, the other half of each base still garbage: its values say nothing
+    garbage = _numbered([dict(ref[0], value=_fingerprint(1e37), value_before=nan)])
+    assert compare_events(ref, garbage, 0.01) == []
+    other = _numbered([dict(ref[0], value=_fingerprint(9.0))])  # finite, and other values
+    assert [f.kind for f in compare_events(ref, other, 0.01)] == ["inplace.value_mismatch"]
 
 
 def test_reordered_writes_are_still_judged():
