@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -50,3 +51,10 @@ def value_error(r: dict[str, float], t: dict[str, float]) -> float:
         magnitude = max(r[scale] or 0, t[scale] or 0)
         err = max(err, diff / magnitude if magnitude > 0 else math.inf)
     return err
+
+
+def finite(value: dict[str, Any] | None) -> bool:
+    """Whether a base's fingerprint was taken on finite values (one of memory that holds NaN/Inf
+    bit patterns, ``torch.empty``'s, cannot show a write that changed it)."""
+    return value is not None and bool(value) and all(
+        isinstance(v, (int, float)) and math.isfinite(v) for v in value.values())

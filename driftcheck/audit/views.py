@@ -267,16 +267,14 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
         tol = 16 * max(dtypes.unit_roundoff(r["dtype"]), dtypes.unit_roundoff(t["dtype"]))
     rb, tb = r.get("value_before"), t.get("value_before")
     if r.get("base_changed") and t.get("base_changed") is False:
-        if not (_finite(tv) and _finite(tb)):
-            # a fresh tensor's memory (torch.empty, new_empty) holding NaN/Inf bit patterns:
-            # its fingerprint cannot show a change, so the write is not observed, not lost
-            return None
+        if not (fp.finite(tv) and fp.finite(tb)):
+            return None  # uninitialised memory (new_empty) of NaN/Inf bit patterns: unobservable
         return finding("inplace.base_not_updated",
                        "a write through a view changed its base on the reference but left it "
                        "unchanged on the target")
     if rv and tv:
-        if (rb or tb) and not (_finite(rb) and _finite(tb)):
-            return None  # a base of uninitialised memory (NaN/Inf bit patterns): not comparable
+        if (rb or tb) and not (fp.finite(rb) and fp.finite(tb)):
+            return None  # the same: not comparable
         if rb and tb and fp.value_error(rb, tb) > tol:
             return None  # the bases differed before the write: upstream drift, not this write
         err = fp.value_error(rv, tv)
@@ -285,13 +283,6 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
                            f"the base after the write differs by {err:.3g} (relative to its "
                            f"magnitude; tolerance {tol:.3g})", error=err, tolerance=tol)
     return None
-
-
-def _finite(value: dict[str, Any] | None) -> bool:
-    """Whether a base's fingerprint was taken on finite values (one that holds NaN/Inf cannot
-    show a write that changed it)."""
-    return value is not None and bool(value) and all(
-        isinstance(v, (int, float)) and math.isfinite(v) for v in value.values())
 
 
 # Aliases autograd makes for itself (saving tensors for backward, .detach() in hooks): which
