@@ -114,17 +114,21 @@ def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield from fold(obj, prefix, _tensors)
 
 
-def substitute(obj: Any, prefix: str, fn: Callable[[str, torch.Tensor], Any]) -> Any:
+def substitute(obj: Any, prefix: str, fn: Callable[[str, torch.Tensor], Any],
+               other: Callable[[Any, str], Any] | None = None) -> Any:
     """``obj`` with every tensor replaced by ``fn(slot, tensor)``; slots as ``flatten``
     names them (``input.0``, ``input.x``, ``output.1.2``).
 
     Dicts (a ModelOutput too), tuples (a namedtuple too) and lists are rebuilt as plain dicts,
     tuples and lists. A Cache is kept as it is, its tensors not replaced: it is live state the
-    model's modules update in place, and a copy would be one the model does not hold.
+    model's modules update in place, and a copy would be one the model does not hold. With
+    ``other``, a Cache or a leaf is replaced by ``other(node, kind)`` instead.
     """
     def rebuild(path: str, o: Any, k: str, children: Children[Any]) -> Any:
         if k == TENSOR:
             return fn(path, o)
+        if other is not None and k in (CACHE, LEAF):
+            return other(o, k)
         if k == MAPPING and isinstance(o, dict):
             return dict(children())
         if k == SEQUENCE:

@@ -111,19 +111,14 @@ def private_state(obj: Any) -> Any:
     across calls the way one does: ``get_seq_length``, ``update``) replaced by a deep copy: the
     replay's attention must not write into the live run's cache (Reformer's bucket cache took a
     replay's buckets, and the next layer joined float32 to its int64 ones)."""
-    def rebuild(path: str, o: Any, k: str, children: Any) -> Any:
-        if _stateful(o, k):
-            try:
-                return copy.deepcopy(o)
-            except Exception:  # tensors of the live graph (deepcopy takes leaves only)
-                return _containers_copied(o, 3)
-        if k == MAPPING and isinstance(o, dict):
-            return dict(children())
-        if k == SEQUENCE:
-            rebuilt = (v for _, v in children())
-            return tuple(rebuilt) if isinstance(o, tuple) else list(rebuilt)
-        return o
-    return fold(obj, "", rebuild)
+    def own(o: Any, k: str) -> Any:
+        if not _stateful(o, k):
+            return o
+        try:
+            return copy.deepcopy(o)
+        except Exception:  # tensors of the live graph (deepcopy takes leaves only)
+            return _containers_copied(o, 3)
+    return substitute(obj, "", lambda _s, t: t, own)
 
 
 def passed_through(t: torch.Tensor) -> bool:
