@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-from driftcheck.compare.alignment import Alignment, check_runs
+from driftcheck.compare.alignment import Alignment, check_control, check_runs
 from driftcheck.compare.allowances import Allowances
 from driftcheck.compare.decisions import Decisions
 from driftcheck.compare.entries import entries_of
@@ -22,6 +22,7 @@ from driftcheck.compare.magnitude import Magnitudes
 from driftcheck.compare.measure import Measurer, Progress
 from driftcheck.compare.norms import Norms
 from driftcheck.compare.opinions import Opinions
+from driftcheck.compare.products import Products
 from driftcheck.compare.propagation import Ledger
 from driftcheck.compare.roundoff import Roundoff
 from driftcheck.compare.scale import Scales
@@ -67,6 +68,7 @@ class Comparison:
     def run(self) -> Report:
         self.warnings += check_runs(self.ref, self.tgt, self.ref_entries, self.tgt_entries)
         if self.control is not None:
+            check_control(self.tgt.run, self.control.run)
             self.warnings += [f"control: {w}" for w in check_runs(
                 self.ref, self.control, self.ref_entries, self.control_entries)]
         self.policy.check_traces({e.module for e in self.ref_entries}, {e.step for e in self.ref_entries})
@@ -112,7 +114,7 @@ class Comparison:
                                        index=alignment.index, tgt_map=tgt_map, control=self.control,
                                        control_map=alignment.control_map,
                                        control_local_map=alignment.control_local_map),
-                     whole=self.whole)
+                     whole=self.whole, products=Products(index, self.ref, self.tgt, tgt_map))
 
     def judge_all(self, judge: Judge, alignment: Alignment) -> list[Entry]:
         """Every entry of a judged step that both runs hold, in execution order."""

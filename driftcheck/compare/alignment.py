@@ -88,3 +88,20 @@ def _replay_warnings(ref_run: dict[str, Any], tgt_run: dict[str, Any]) -> list[s
         return ["the target was not recorded from this reference's replay "
                 "(different replay_id): weights and inputs may differ"]
     return []
+
+
+def check_control(tgt_run: dict[str, Any], ctl_run: dict[str, Any]) -> None:
+    """Refuse a control run of another precision than the target's (dtype, autocast, fp8): it
+    would bound the target's drift by a drift of another size."""
+    def precision(run: dict[str, Any]) -> tuple[Any, ...]:
+        p = run.get("precision") or {}
+        return tuple(run.get(k, p.get(k)) for k in ("dtype", "autocast", "fp8"))
+
+    def words(p: tuple[Any, ...]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in zip(("dtype", "autocast", "fp8"), p) if v)
+
+    t, c = precision(tgt_run), precision(ctl_run)
+    if t != c:
+        raise DriftcheckError(f"--control was recorded at {words(c)}, the target at {words(t)}: a control "
+                              "runs at the target's precision (driftcheck run records one; or record the "
+                              "reference device with the target's --dtype/--autocast/--fp8 and --replay REF)")

@@ -96,6 +96,30 @@ class DependencyIndex:
         parent = e.meta.get("parent")
         return None if parent is None else call_of(e.step, parent)
 
+    def rerun_by(self, e: TraceEntry) -> str | None:
+        """Where ``e`` (an output gradient, or a forward input) belongs to a call made outside
+        the model's forward: a custom autograd Function's backward that reruns a block (a
+        reversible layer recomputes its inputs from its outputs and backpropagates through the
+        block itself). That code handed the block its inputs and its output's gradient, so it
+        made them: the module in whose call the block first ran (its parent then). An output
+        gradient goes up while a child's output is its parent's own (the last child of a
+        Sequential). None for anything else."""
+        call = Call(e.step, e.module, e.call)
+        while (first := next(iter(self.fwd_out.get(call) or self.fwd_in.get(call) or []), None)) is not None \
+                and (parent := self.parent_of(first)) is not None:
+            if e.phase != "backward" or not any(_same_stats(o, p) for o in self.fwd_out.get(call, ())
+                                                for p in self.fwd_out.get(parent, ())):
+                return None  # the parent's own code consumed it (or computed the input)
+            call = parent
+        if first is None or not call.module:
+            return None  # the model's own call
+        for c in sorted(self.calls.get((call.step, call.module), ())):
+            o = next(iter(self.fwd_out.get(Call(call.step, call.module, c)) or []), None)
+            parent = self.parent_of(o) if o is not None and c != call.call else None
+            if parent is not None:
+                return parent.module
+        return None
+
     def owner_kind(self, r: TraceEntry) -> str | None:
         """The kind of the module a parameter entry belongs to (from its forward output)."""
         for c in sorted(self.calls.get((r.step, r.module), ())):
@@ -235,3 +259,9 @@ class DependencyIndex:
             for cc in self.calls.get((s, m), ()):
                 deps += self.fwd_in.get(Call(s, m, cc), [])
         return deps
+
+
+def _same_stats(a: TraceEntry, b: TraceEntry) -> bool:
+    """Whether the reference recorded the same nonzero tensor for both (whole-tensor stats)."""
+    return bool(a.stats.get("l2")) and all(a.stats.get(k) == b.stats.get(k)
+                                           for k in ("numel", "l2", "mean", "min", "max"))

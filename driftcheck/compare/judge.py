@@ -25,6 +25,7 @@ from driftcheck.compare.magnitude import Magnitudes
 from driftcheck.compare.measure import Measurer, rms_of
 from driftcheck.compare.norms import Norms
 from driftcheck.compare.opinions import Opinions
+from driftcheck.compare.products import Products
 from driftcheck.compare.propagation import NONE, WRONG, Ledger, Propagated
 from driftcheck.compare.roundoff import Roundoff
 from driftcheck.compare.scale import Scales
@@ -60,12 +61,14 @@ class Judge:
                  ledger: Ledger, findings: FindingLog, measurer: Measurer, roundoff: Roundoff,
                  magnitudes: Magnitudes, norms: Norms, kinks: Kinks, decisions: Decisions,
                  scales: Scales, inheritance: Inheritance, allowances: Allowances, opinions: Opinions,
-                 whole: Mapping[TraceKey, tuple[float, float]] | None = None) -> None:
+                 whole: Mapping[TraceKey, tuple[float, float]] | None = None,
+                 products: Products | None = None) -> None:
         self.policy, self.limit_override = policy, limit_override
         self.index, self.ledger, self.findings = alignment.index, ledger, findings
         self.measurer, self.roundoff, self.magnitudes, self.norms = measurer, roundoff, magnitudes, norms
         self.kinks, self.decisions, self.scales = kinks, decisions, scales
         self.inheritance, self.allowances, self.opinions = inheritance, allowances, opinions
+        self.products = products
         # align key -> (rel rms, rel max) of the whole tensor this rank holds a shard of (FSDP):
         # what its dependents inherit (driftcheck/compare/ranks.py measures it over the ranks)
         self.whole = whole or {}
@@ -180,6 +183,7 @@ class Judge:
                             extra_rms=extra_rms, extra_max=extra_max,
                             tiny=max(dtypes.tiny(r.dtype), dtypes.tiny(t.dtype)))
         f = fl.floor(fi)
+        fi, f = self.weight_difference(c, fi, f)
         if r.phase == "optimizer":
             self.ledger.floors[r.align] = (f.rms, f.max)
         judged = self.flips_judged(c, f)
@@ -193,10 +197,29 @@ class Judge:
         details["analytic_ratio"] = ratio
         details_floor = {"rms": f.rms, "max": f.max, "local_rms": f.local_rms,
                          "inherited_rms": f.inherited_rms, "u": u, "k": k,
-                         "scale_rms": scale.rms, "inherited_rel": inh_rms}
+                         "scale_rms": scale.rms, "inherited_rel": fi.inherited_rms}
         if logits > 1.0:
             details_floor["softmax_logit_max"] = logits
         return self.decide(c, fi, f, ratio, details_floor, deps)
+
+    def weight_difference(self, c: Case, fi: fl.FloorInputs, f: fl.Floor) -> tuple[fl.FloorInputs, fl.Floor]:
+        """A product over its floor after a step: what its weight's difference makes of the
+        reference's operand, exactly (compare/products.py), is inherited too; computed only
+        where the floor without it objects."""
+        r, m = c.r, c.m
+        if self.products is None or not Products.applies(r, c.how) \
+                or f.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0)) <= 1.0:
+            return fi, f
+        got = self.products.inherited(r)
+        if got is None or not (fi.scale_rms > 0 and fi.scale_max > 0):
+            return fi, f
+        rel = (got[0] / fi.scale_rms, got[1] / fi.scale_max)
+        if rel[0] <= fi.inherited_rms and rel[1] <= fi.inherited_max:
+            return fi, f
+        c.details["weight_difference"] = {"rms": got[0], "max": got[1]}
+        fi = dataclasses.replace(fi, inherited_rms=max(fi.inherited_rms, rel[0]),
+                                 inherited_max=max(fi.inherited_max, rel[1]))
+        return fi, fl.floor(fi)
 
     def terms(self, r: TraceEntry) -> int | None:
         """K, the terms the entry's own sum adds (the floor's accumulation growth sqrt(K))."""

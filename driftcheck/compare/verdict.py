@@ -76,7 +76,12 @@ class Verdict:
         if first.local_ratio is not None:
             fd["local_ratio"] = first.local_ratio
         fd["blame_module"] = self.blame_module(first)
-        if fd["blame_module"] != first.module and first.phase == "backward" \
+        r = self.index.by_align.get(TraceKey(first.step, first.phase, first.module, first.call, first.slot))
+        if fd["blame_module"] != first.module and r is not None and self.index.rerun_by(r) == fd["blame_module"]:
+            fd["where"] = (f"in the code of {fd['blame_module']} that reran {first.module} outside the "
+                           f"forward (a custom autograd Function's backward: a reversible or recomputed "
+                           f"block), which handed it this {first.slot}")
+        elif fd["blame_module"] != first.module and first.phase == "backward" \
                 and self._made_inside(first):
             fd["where"] = (f"in the backward of {fd['blame_module']}, which made this tensor "
                            f"that {first.module or 'the model'} returns (a cache)")
@@ -92,6 +97,11 @@ class Verdict:
         the parent's code between its submodules."""
         r = self.index.by_align.get(TraceKey(e.step, e.phase, e.module, e.call, e.slot))
         parent = self.index.parent_of(r) if r is not None else None
+        rerun = self.index.rerun_by(r) if r is not None and (
+            (e.phase == "forward" and slot_is(e.slot, "input") and parent is None)
+            or (e.phase == "backward" and slot_is(e.slot, "grad_output"))) else None
+        if rerun is not None:
+            return rerun  # the code that reran the block (a reversible layer's backward)
         if e.phase == "forward" and slot_is(e.slot, "input") and parent is not None:
             return parent.module
         if e.phase == "backward" and slot_is(e.slot, "grad_output") and parent is not None \

@@ -4,6 +4,7 @@ the BatchNorm audit and the local replay, and hooks the backward.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from driftcheck.record.autograd import BackwardHooks
 from driftcheck.record.calls import Calls, call_label
 from driftcheck.record.capture import Capture
 from driftcheck.record.compilation import unaccounted
-from driftcheck.record.isolation import holds_state, private_state
+from driftcheck.record.isolation import KeptGrads, holds_state, private_state
 from driftcheck.record.meta import (
     backward_meta,
     call_k,
@@ -58,6 +59,7 @@ class ForwardHooks:
         self.capture, self.calls, self.selection = capture, calls, selection
         self.watch, self.norms, self.backward, self.tap_grads = watch, norms, backward, tap_grads
         self.local = local
+        self.kept: KeptGrads | None = None  # the live gradients while a replay runs (tracer sets it)
         self.device = device
         self.owner = owner
         self._static: dict[str, dict[str, Any]] = {}  # module path -> static_meta
@@ -68,6 +70,13 @@ class ForwardHooks:
         # when the call began (its local replay starts from that state, on a copy)
         self._states: dict[tuple[str, int], tuple[tuple, dict]] = {}
         self.reset()
+
+    def keep_grads(self, state: Any) -> list[Any]:
+        """Keep the live gradients of the parameters (``state``: the tracer's StateCapture, its
+        ``owners`` and the ``grads`` its post-accumulate hooks took) as they are while a replay
+        runs (isolation.py ``KeptGrads``); the hooks' handles."""
+        self.kept = KeptGrads(lambda p: state.grads.pop(id(p), None))
+        return [p.register_hook(self.kept.hook(p)) for *_, p in state.owners.values() if p.requires_grad]
 
     def reset(self) -> None:
         self._weight_sq: dict[Any, tuple] = {}  # meta.magnitude_sq's column sums
@@ -246,7 +255,7 @@ class ForwardHooks:
         step = self.capture.step
         self.calls.replaying = True
         try:
-            with self.capture.quiet():
+            with self.capture.quiet(), self.kept.kept() if self.kept is not None else contextlib.nullcontext():
                 results: list[Captured]
                 if children is None:
                     results = [(name, call, phase, slot, t, {}) for phase, slot, t in self.local.replay(

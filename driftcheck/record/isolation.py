@@ -1,12 +1,14 @@
 """What a local replay leaves as it found it (record/local.py): the model's own forward hooks
 (off during it; driftcheck's taps and injected faults stay), its modules' public Python
 attributes (put back after it), and the random number generators (forked, set to the real call's
-state). Also the fresh autograd leaves a replay's backward starts from."""
+state), the live parameters' gradients (kept). Also the fresh autograd leaves a replay's
+backward starts from."""
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -185,3 +187,42 @@ def no_saved_tensors_hooks() -> Iterator[None]:
     finally:
         for pack, unpack in reversed(stack):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+class KeptGrads:
+    """The live parameters' gradients, as they are while a replay runs: a replay's backward
+    that reaches code calling ``torch.autograd.backward`` itself (a reversible layer's custom
+    Function recomputes its blocks and backpropagates through them with the live parameters)
+    would accumulate into their ``.grad``. Each parameter's tensor hook (registered once, at
+    attach) hands autograd zeros instead while a replay runs; a gradient that was None is put
+    back to None after it. ``forget``: called with such a parameter (the record drops what its
+    post-accumulate hook took)."""
+
+    def __init__(self, forget: Callable[[torch.Tensor], None]) -> None:
+        self.active = False
+        self.forget = forget
+        self._none: dict[int, torch.Tensor] = {}
+
+    def hook(self, p: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        ref = weakref.ref(p)
+
+        def keep(g: torch.Tensor) -> torch.Tensor | None:
+            if not self.active:
+                return None
+            q = ref()
+            if q is not None and q.grad is None:
+                self._none[id(q)] = q
+            return torch.zeros_like(g)
+        return keep
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            for p in self._none.values():
+                p.grad = None
+                self.forget(p)
+            self._none.clear()

@@ -123,6 +123,11 @@ def static_meta(m: nn.Module) -> dict[str, Any]:
         meta["k_grad"] = kg
     if kind == "conv":
         meta["kernel"] = math.prod(cast(tuple[int, ...], m.kernel_size))
+        if isinstance(m, nn.modules.conv._ConvNd) and not m.transposed and m.padding_mode == "zeros":
+            # the layout compare/products.py convolves a weight's difference with
+            pad = m.padding
+            meta["conv"] = {"stride": list(m.stride), "dilation": list(m.dilation), "groups": m.groups,
+                            "padding": pad if isinstance(pad, str) else list(pad)}
     if kind == "batchnorm":
         # a running mean sums momentum x the batch mean: its rounding scales with what it sums
         meta["momentum"] = m.momentum if m.momentum is not None else 1.0
@@ -150,7 +155,7 @@ def call_k(static: dict[str, Any], args: tuple) -> int | None:
 def backward_meta(ctx: dict[str, Any]) -> dict[str, Any]:
     """A backward entry's meta from its forward call's: the module, and the reduction length of
     its input gradient as ``k``."""
-    meta: dict[str, Any] = {k: ctx[k] for k in ("parent", "module_type", "kind") if k in ctx}
+    meta: dict[str, Any] = {k: ctx[k] for k in ("parent", "module_type", "kind", "conv") if k in ctx}
     if "k_grad" in ctx:
         meta["k"] = ctx["k_grad"]
     return meta

@@ -214,6 +214,7 @@ class Tracer:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     self.own(own_work(self.state.grad_hook))))
+        self._handles += self.forward.keep_grads(self.state) if self.local is not None else []  # while replaying
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(
                 self.own(own_work(lambda opt, args, kwargs: self.state.after_update()))))
@@ -301,8 +302,7 @@ class Tracer:
 
     def _reset_step(self) -> dict[int, Any]:
         """Every part's per-step state empty; returns the step's summaries (Capture.reset)."""
-        for part in (self.calls, self.state, self.watch, self.tap_grads, self.norms,
-                     self.backward, self.forward):
+        for part in (self.calls, self.state, self.watch, self.tap_grads, self.norms, self.backward, self.forward):
             part.reset()
         return self.capture.reset()
 

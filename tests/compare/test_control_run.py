@@ -13,6 +13,7 @@ import torch
 from conftest import DATA, dc
 
 from driftcheck.compare import compare
+from driftcheck.errors import DriftcheckError
 from driftcheck.loader import load_scenario
 from driftcheck.record.run import Sides, control_side
 from driftcheck.record.runner import record
@@ -163,3 +164,14 @@ def test_a_view_finding_the_control_shows_too_is_the_precisions_and_a_warning(tm
     same = [f for f in rep.findings if f.kind.startswith(("view.", "inplace."))]
     assert same and all(f.severity == "warning" and "control run" in f.message for f in same)
     assert rep.verdict == "pass", rep.decided_by
+
+
+def test_a_control_of_another_precision_is_refused(runs):
+    """A control bounds the target by a correct run's drift at the target's own precision: one
+    recorded at another precision is bad input (one line, exit 2), from Python and the CLI."""
+    _record(runs, "control_fp16", dtype="fp16", threads=2)
+    with pytest.raises(DriftcheckError, match="--control was recorded at dtype float16, the target at dtype bfloat16"):
+        compare(runs / "ref", runs / "clean", control=runs / "control_fp16")
+    p = dc("compare", str(runs / "ref"), str(runs / "clean"), "--control", str(runs / "control_fp16"))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "the target's precision" in p.stderr
