@@ -44,6 +44,7 @@ class DependencyIndex:
         self.by_align: dict[TraceKey, TraceEntry] = {}
         self.loss: dict[int, Entries] = defaultdict(list)
         self.top_outputs: dict[int, Entries] = defaultdict(list)
+        self.backward_from: dict[int, int] = {}  # step -> the order its first backward entry has
         for e in entries:
             self._add(e)
         self.users: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -64,6 +65,7 @@ class DependencyIndex:
                 self.top_outputs[s].append(e)
         elif ph == "backward":
             (self.gout if e.slot_is("grad_output") else self.gin)[Call(s, m, c)].append(e)
+            self.backward_from[s] = min(self.backward_from.get(s, e.order), e.order)
         elif ph == "params":
             self.params[(s, m)].append(e)
         elif ph == "loss":
@@ -98,9 +100,9 @@ class DependencyIndex:
 
     def rerun_by(self, e: TraceEntry) -> str | None:
         """Where ``e`` (an output gradient, or a forward input) belongs to a call made outside
-        the model's forward: a custom autograd Function's backward that reruns a block (a
-        reversible layer recomputes its inputs from its outputs and backpropagates through the
-        block itself). That code handed the block its inputs and its output's gradient, so it
+        the model's forward, during the backward: a custom autograd Function's backward that
+        reruns a block (a reversible layer recomputes its inputs from its outputs and
+        backpropagates through the block itself). That code handed the block its inputs and its output's gradient, so it
         made them: the module in whose call the block first ran (its parent then). An output
         gradient goes up while a child's output is its parent's own (the last child of a
         Sequential). None for anything else."""
@@ -111,8 +113,8 @@ class DependencyIndex:
                                                 for p in self.fwd_out.get(parent, ())):
                 return None  # the parent's own code consumed it (or computed the input)
             call = parent
-        if first is None or not call.module:
-            return None  # the model's own call
+        if first is None or not call.module or first.order < self.backward_from.get(call.step, first.order + 1):
+            return None  # the model's own call, or one of the loss code's (before the backward)
         for c in sorted(self.calls.get((call.step, call.module), ())):
             o = next(iter(self.fwd_out.get(Call(call.step, call.module, c)) or []), None)
             parent = self.parent_of(o) if o is not None and c != call.call else None
