@@ -80,3 +80,41 @@ def test_driftcheck_run_passes_it_clean(tmp_path):
     p = dc("run", f"{DATA / 'reversible.py'}:scenario", "--target", "cpu", "--target-dtype", "bf16",
            "--out", str(tmp_path / "out"), "--no-drill")
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_module_the_loss_code_calls_keeps_its_blame(tmp_path):
+    """A call outside the model's forward made before the backward (the loss code reusing a
+    module) is no rerun: a defect in the loss code's gradient stays with that call's module."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(8, 8)
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(torch.tanh(self.body(x)))
+
+    scale = {"g": 1.0}
+
+    class Hurt(torch.autograd.Function):  # the loss code's own backward, 5% off when asked
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * scale["g"]
+
+    def scenario():
+        torch.manual_seed(0)
+        m = Net()
+        x = torch.randn(4, 8)
+        return rev.Scenario(model=m, inputs=[x] * 2, loss=lambda out, b: Hurt.apply(m.proj(out)).square().mean(),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=2)
+
+    record(scenario(), tmp_path / "ref")
+    scale["g"] = 1.05
+    record(scenario(), tmp_path / "tgt", replay=tmp_path / "ref")
+    fd = compare(tmp_path / "ref", tmp_path / "tgt").first_divergence
+    assert (fd["module"], fd["call"], fd["slot"]) == ("proj", 1, "grad_output"), fd
+    assert fd["blame_module"] == "proj", fd
