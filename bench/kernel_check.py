@@ -5,6 +5,10 @@ PyTorch 2.13's oneDNN bf16 grouped conv1d is wrong on CPUs with AMX (Sapphire Ra
 with kernel 16 or 128 and 4 or 16 groups (the positional convolution of wav2vec2, HuBERT, WavLM,
 SEW) its output is ~110% off. Reproduce: python bench/kernel_check.py. A bf16 target of such a
 model is then not a clean run: driftcheck fails it at that convolution, a true positive.
+
+Its bf16 Conv2d is wrong too for few input channels and a large kernel (8, 16 or 24 channels,
+kernel 4 to 16, stride 1 or the kernel: a patch embedding after a small stem, VOLO's), ~120% off:
+found 2026-12-06 behind timm_volo's clean bf16 failure at patch_embed.proj (local 267).
 """
 from __future__ import annotations
 
@@ -29,12 +33,39 @@ def wrong_bf16_convs(model: torch.nn.Module, length: int = 79, tol: float = 0.1)
     return wrong
 
 
+def wrong_bf16_conv2ds(model: torch.nn.Module, tol: float = 0.1, narrow: int = 32) -> list[str]:
+    """The Conv2d modules of ``model`` with at most ``narrow`` input channels per group whose bf16
+    CPU kernel is more than ``tol`` off float64 (relative L2) on random 2 x C x H x H data (H 32,
+    or twice the kernel): where this machine's kernel fails (the module docstring); wider
+    convolutions are not checked (cost)."""
+    wrong = []
+    g = torch.Generator().manual_seed(0)
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Conv2d and m.in_channels // m.groups <= narrow:
+            h = max(32, 2 * max(m.kernel_size))
+            x = torch.randn(2, m.in_channels, h, h, generator=g)
+            w = torch.randn(tuple(m.weight.shape), generator=g) * 0.1
+            kw = dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
+            want = F.conv2d(x.double(), w.double(), **kw)
+            got = F.conv2d(x.bfloat16(), w.bfloat16(), **kw).double()
+            if float((got - want).norm() / want.norm()) > tol:
+                wrong.append(name)
+    return wrong
+
+
 def main() -> int:
     rows = []
     for c, k, groups in [(32, 16, 4), (32, 16, 2), (32, 16, 16), (32, 15, 4), (64, 128, 16)]:
         m = torch.nn.Conv1d(c, c, k, padding=k // 2, groups=groups)
         rows.append((c, k, groups, "WRONG" if wrong_bf16_convs(torch.nn.Sequential(m)) else "ok"))
     print("| channels | kernel | groups | bf16 conv1d on this CPU |\n|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(map(str, r)) + " |")
+    rows = []
+    for c, k, stride in [(3, 16, 16), (8, 8, 8), (16, 4, 4), (16, 3, 1), (24, 4, 4), (32, 4, 4), (64, 4, 4)]:
+        m = torch.nn.Conv2d(c, 32, k, stride=stride)
+        rows.append((c, k, stride, "WRONG" if wrong_bf16_conv2ds(torch.nn.Sequential(m)) else "ok"))
+    print("\n| in channels | kernel | stride | bf16 conv2d on this CPU |\n|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
     return 0

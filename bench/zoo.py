@@ -78,7 +78,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import zoo_models  # noqa: E402  (puts bench/.zoo-site on sys.path first)
-from kernel_check import wrong_bf16_convs  # noqa: E402
+from kernel_check import wrong_bf16_conv2ds, wrong_bf16_convs  # noqa: E402
 from driftcheck.compare import compare  # noqa: E402
 from driftcheck.targets.faults import scale_output  # noqa: E402
 from driftcheck.record.runner import record  # noqa: E402
@@ -240,7 +240,8 @@ def run_arch(name: str, work: str | os.PathLike | None = None, modes: tuple[str,
                 res.update(status="error", error=f"reference: {one_line(e)}")
                 return res
         refs = {"full": ref, "stats": ref_stats}
-        wrong = tuple(wrong_bf16_convs(pristine.model))  # this machine's bf16 kernel, checked once
+        # this machine's bf16 kernels, checked once
+        wrong = tuple(wrong_bf16_convs(pristine.model)) + tuple(wrong_bf16_conv2ds(pristine.model))
         floors: dict[str, float] = {}
         ctl_runs: dict[tuple, Path] | None = {} if control_run else None
         for mode in modes:
