@@ -105,6 +105,7 @@ class Comparison:
         kinks = Kinks(index, self.ref, self.tgt, tgt_map, ledger)
         decisions = Decisions(index, self.ref, ledger, findings)
         scales = Scales(self.ref, self.tgt, index, tgt_map, self.ref_entries, ledger, findings, magnitudes, roundoff)
+        products = Products(index, self.ref, self.tgt, tgt_map)
         return Judge(policy=self.policy, limit_override=self.limit_override, alignment=alignment,
                      ledger=ledger, findings=findings, measurer=self.measurer, roundoff=roundoff,
                      magnitudes=magnitudes, norms=norms, kinks=kinks, decisions=decisions, scales=scales,
@@ -113,8 +114,8 @@ class Comparison:
                      opinions=Opinions(self.measurer, kinks, alignment.local_map, alignment.truth_map, self.truth,
                                        index=alignment.index, tgt_map=tgt_map, control=self.control,
                                        control_map=alignment.control_map,
-                                       control_local_map=alignment.control_local_map),
-                     whole=self.whole, products=Products(index, self.ref, self.tgt, tgt_map))
+                                       control_local_map=alignment.control_local_map, products=products),
+                     whole=self.whole, products=products)
 
     def judge_all(self, judge: Judge, alignment: Alignment) -> list[Entry]:
         """Every entry of a judged step that both runs hold, in execution order."""

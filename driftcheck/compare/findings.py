@@ -234,6 +234,7 @@ class Findings:
         if control is None:
             return
         dtype = str(control.run.get("dtype") or "the target's precision")
+        self.control_kernels(entries, dtype)
         seen: set[str] = set()
         for e in entries:
             got = _control_rescued(e)
@@ -254,6 +255,25 @@ class Findings:
                          "err_control": c["err_control"], "err_target": c["err_target"]}))
             if len(seen) >= 8:
                 break
+
+    def control_kernels(self, entries: list[Entry], dtype: str) -> None:
+        """Where the control's own kernel is off (compare/opinions.py ``_control_kernel``): the
+        control gave no word there, named per module (warning)."""
+        seen: set[str] = set()
+        for e in entries:
+            d = e.details or {}
+            k = next((c["kernel"] for c in (d.get("control"), (d.get("local") or {}).get("control"))
+                      if c and c.get("kernel")), None)
+            if k is None or e.module in seen:
+                continue
+            seen.add(e.module)
+            self.log.add(Finding(
+                "precision.control_kernel", e.module, e.step,
+                f"{e.key}: the control run's own kernel (the reference device at {dtype}) is "
+                f"{k['ratio']:.3g}x the limit's share off what rounding this op's operands to {dtype} "
+                "explains: no correct run here, so it vouches for nothing at this module (check that "
+                "device's kernels: bench/kernel_check.py)",
+                phase=e.phase, key=e.key, severity="warning", details=dict(k)))
 
     def precision(self) -> None:
         """The precision settings that differ between the runs (they explain drift)."""

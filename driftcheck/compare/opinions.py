@@ -11,6 +11,7 @@ from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.index import Call, DependencyIndex
 from driftcheck.compare.kinks import Kinks
 from driftcheck.compare.measure import Measurer
+from driftcheck.compare.products import Products
 from driftcheck.compare.roundoff import matmul_roundoff
 from driftcheck.gate.report import DRIFT, NONFINITE, OK
 from driftcheck.numerics import dtypes, floor as fl
@@ -55,13 +56,14 @@ class Opinions:
                  tgt_map: dict[TraceKey, TraceEntry] | None = None,
                  control: TraceReader | None = None,
                  control_map: dict[TraceKey, TraceEntry] | None = None,
-                 control_local_map: dict[TraceKey, TraceEntry] | None = None) -> None:
+                 control_local_map: dict[TraceKey, TraceEntry] | None = None,
+                 products: Products | None = None) -> None:
         self.measurer, self.kinks = measurer, kinks
         self.tgt_map = tgt_map or {}
         self.control = control
         self.control_map, self.control_local_map = control_map or {}, control_local_map or {}
         self.local_map, self.truth_map, self.truth = local_map, truth_map, truth
-        self.index = index
+        self.index, self.products = index, products
         self._outputs: dict[tuple[int, str, int], int] | None = None  # forward outputs per call
 
     def _several_outputs(self, r: TraceEntry) -> bool:
@@ -159,7 +161,32 @@ class Opinions:
                "control_key": ce.key}
         if analytic is not None:
             out["control_ratio"] = analytic.ratio(c_rms, c_max)  # the control over the analytic floor
+        kernel = self._control_kernel(r, tol, limit)
+        if kernel is not None:
+            out.update(kernel=kernel, ratio=math.inf)  # no word on the target: not a correct run here
         return out
+
+    def _control_kernel(self, r: TraceEntry, tol: fl.Floor, limit: float) -> dict[str, Any] | None:
+        """Where the control's own kernel is off: a Linear's or convolution's output that the
+        control's local replay (on the reference's inputs) puts further from the reference than
+        rounding the operands to its dtype explains (compare/products.py, the arithmetic after
+        exact), by more than the limit: the control is no correct run at this module (this CPU's
+        bf16 conv for few channels and a large kernel, bench/kernel_check.py), and cannot vouch
+        for the target. None elsewhere."""
+        cl = self.control_local_map.get(r.align)
+        if self.products is None or cl is None or self.control is None or list(cl.shape) != list(r.shape):
+            return None
+        emu = self.products.rounding_error(r, cl.dtype)
+        if emu is None:
+            return None
+        err = self.measurer.measure(self.measurer.ref, r, self.control, cl).metrics
+        bound = fl.Floor(CONTROL_M * emu[0] + tol.rms, CONTROL_M * emu[1] + tol.max, local_rms=tol.rms,
+                         inherited_rms=CONTROL_M * emu[0])
+        ratio = limit * bound.ratio(err.get("rms", 0.0), err.get("max_abs", 0.0))
+        if ratio <= limit or err.get("nonfinite_new", 0):
+            return None
+        return {"ratio": ratio, "emulated_rms": emu[0], "err_control_local": err.get("rms"),
+                "control_local_key": cl.key}
 
     def update(self, r: TraceEntry, le: TraceEntry, limit: float) -> dict[str, Any] | None:
         """The optimizer step's own error (record/update.py): the target's parameter after its

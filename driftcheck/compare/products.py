@@ -25,6 +25,7 @@ from torch.nn import grad as nn_grad
 
 from driftcheck.compare.entries import TraceEntry
 from driftcheck.compare.index import Call, DependencyIndex
+from driftcheck.numerics import dtypes
 from driftcheck.store.keys import TraceKey
 from driftcheck.store.reader import TraceReader
 
@@ -40,7 +41,7 @@ class Products:
     def __init__(self, index: DependencyIndex, ref: TraceReader, tgt: TraceReader,
                  tgt_map: dict[TraceKey, TraceEntry]) -> None:
         self.index, self.ref, self.tgt, self.tgt_map = index, ref, tgt, tgt_map
-        self._known: dict[str, tuple[float, float] | None] = {}
+        self._known: dict[str, tuple[float, float] | None] = {}  # by entry key (and dtype)
 
     @staticmethod
     def applies(r: TraceEntry, how: str) -> bool:
@@ -101,6 +102,45 @@ class Products:
         if not y.numel():
             return None
         return float(y.pow(2).mean().sqrt()), float(y.abs().max())
+
+    def rounding_error(self, r: TraceEntry, dtype: str) -> tuple[float, float] | None:
+        """(rms, max) of how far rounding a Linear's or convolution's operands (the reference's
+        input, weight and bias) to ``dtype`` moves its output, the arithmetic after exact: what
+        a correct kernel at that precision is off the reference before its own accumulation.
+        None where it cannot be computed (not a forward output of one, not whole, a layout this
+        does not know)."""
+        key = f"{r.key}@{dtype}"
+        if key not in self._known:
+            try:
+                self._known[key] = self._rounded(r, dtypes.torch_dtype(dtype))
+            except (RuntimeError, ValueError, TypeError, IndexError, KeyError):
+                self._known[key] = None
+        return self._known[key]
+
+    def _rounded(self, r: TraceEntry, dtype: torch.dtype) -> tuple[float, float] | None:
+        if not (r.phase == "forward" and r.slot_is("output") and r.meta.get("kind") in ("linear", "conv")
+                and r.has_tensor and dtype.is_floating_point):
+            return None
+        p = {e.slot: e for e in self.index.params.get((r.step, r.module), ())}
+        w_e, b_e = p.get("param.weight"), p.get("param.bias")
+        x, y = self._operand(r), self.ref.tensor(r.raw)
+        w = self.ref.tensor(w_e.raw) if w_e is not None and w_e.has_tensor else None
+        if x is None or y is None or w is None or not w.is_floating_point():
+            return None
+        def rd(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype).double()
+        x, w = rd(x), rd(w)
+        out = self._linear(r, x, w) if r.meta.get("kind") == "linear" else self._conv(r, x, w)
+        if out is None or list(out.shape) != list(r.shape):
+            return None
+        b = self.ref.tensor(b_e.raw) if b_e is not None and b_e.has_tensor else None
+        if b is not None:
+            b = rd(b)
+            out = out + (b.reshape(-1) if r.meta.get("kind") == "linear" else b.reshape([-1] + [1] * (out.dim() - 2)))
+        d = out - y.double()
+        if not d.numel() or not bool(torch.isfinite(d).all()):
+            return None
+        return float(d.pow(2).mean().sqrt()), float(d.abs().max())
 
     @staticmethod
     def _linear(r: TraceEntry, x: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:

@@ -68,7 +68,7 @@ FINDING_KINDS = frozenset({
     "inplace.base_not_updated", "inplace.value_mismatch",
     "nonfinite.origin", "nonfinite.reference",
     "precision.fp8_casts", "precision.fp8_saturation", "precision.low_precision_sum",
-    "precision.model_sensitive", "precision.settings_differ",
+    "precision.model_sensitive", "precision.control_kernel", "precision.settings_differ",
     "view.alias_lost", "view.audit_unobservable", "view.layout_mismatch",
     "view.write_not_through_view",
     # driftcheck/signatures.py (kept equal by tests/drill/test_drill.py)
