@@ -161,7 +161,10 @@ class Opinions:
                "control_key": ce.key}
         if analytic is not None:
             out["control_ratio"] = analytic.ratio(c_rms, c_max)  # the control over the analytic floor
-        kernel = self._control_kernel(r, tol, limit)
+        # only where the control would pass what the analytic floor fails (the check costs the op)
+        t_ratio = analytic.ratio(m.get("rms", 0.0), m.get("max_abs", 0.0)) if analytic is not None else 0.0
+        rescues = out["ratio"] <= limit < t_ratio
+        kernel = self._control_kernel(r, tol, limit) if rescues else None
         if kernel is not None:
             out.update(kernel=kernel, ratio=math.inf)  # no word on the target: not a correct run here
         return out
