@@ -64,7 +64,7 @@ class Products:
     def _pair(self, r: TraceEntry, slot: str) -> torch.Tensor | None:
         """target - reference of the parameter ``slot`` of ``r``'s module at its step, in
         float64 (None where either is missing or not whole)."""
-        p = self.index.by_align.get(TraceKey(r.step, "params", r.module, 0, slot))
+        p = self._param(r, slot)
         pt = self.tgt_map.get(p.align) if p is not None else None
         if p is None or pt is None or not p.has_tensor or not pt.has_tensor \
                 or list(p.shape) != list(pt.shape) or (p.stats.get("numel") or 0) > MAX_ELEMS:
@@ -73,6 +73,18 @@ class Products:
         if a is None or b is None or not a.is_floating_point() or not b.is_floating_point():
             return None
         return b.double() - a.double()
+
+    def _param(self, r: TraceEntry, slot: str) -> TraceEntry | None:
+        """The reference's entry of the parameter ``slot`` that ``r``'s call computed with: the
+        module's own, or for a parametrized weight (``weight_norm``: wav2vec2's positional
+        convolution) the parametrization's output last computed before ``r``."""
+        p = self.index.by_align.get(TraceKey(r.step, "params", r.module, 0, slot))
+        if p is not None or slot != "param.weight":
+            return p
+        path = f"{r.module}.parametrizations.weight"
+        made = [o for c in self.index.calls.get((r.step, path), ()) for o in self.index.fwd_out.get(
+            Call(r.step, path, c), ()) if o.order < r.order and o.slot_is("output")]
+        return max(made, key=lambda o: o.order, default=None)
 
     def _operand(self, r: TraceEntry) -> torch.Tensor | None:
         """The reference's operand of the product: the forward input, or the output gradient."""
@@ -121,8 +133,7 @@ class Products:
         if not (r.phase == "forward" and r.slot_is("output") and r.meta.get("kind") in ("linear", "conv")
                 and r.has_tensor and dtype.is_floating_point):
             return None
-        p = {e.slot: e for e in self.index.params.get((r.step, r.module), ())}
-        w_e, b_e = p.get("param.weight"), p.get("param.bias")
+        w_e, b_e = self._param(r, "param.weight"), self._param(r, "param.bias")
         x, y = self._operand(r), self.ref.tensor(r.raw)
         w = self.ref.tensor(w_e.raw) if w_e is not None and w_e.has_tensor else None
         if x is None or y is None or w is None or not w.is_floating_point():

@@ -20,31 +20,33 @@ from driftcheck.targets import opfaults
 
 
 class _Patches(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, weight_norm: bool = False) -> None:
         super().__init__()
         self.stem = nn.Conv2d(4, 32, 3, padding=1)
         self.act = nn.Tanh()
         self.proj = nn.Conv2d(32, 32, 4, stride=4)  # a patch embedding (32 channels: a shape this CPU gets right)
         self.head = nn.Linear(32 * 4 * 4, 10)
+        if weight_norm:  # its weight a parametrization, as wav2vec2's positional convolution's
+            self.proj = nn.utils.parametrizations.weight_norm(self.proj, dim=2)
 
     def forward(self, x, y):
         return self.head(self.proj(self.act(self.stem(x))).flatten(1))
 
 
-def _scenario() -> Scenario:
+def _scenario(weight_norm: bool = False) -> Scenario:
     torch.manual_seed(0)
     x, y = torch.randn(2, 4, 16, 16), torch.randint(0, 10, (2,))
-    return Scenario(model=_Patches(), inputs=[(x, y)] * 2,
+    return Scenario(model=_Patches(weight_norm), inputs=[(x, y)] * 2,
                     loss=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=2)
 
 
-def _record(root, name, threads, fault=None):
+def _record(root, name, threads, fault=None, weight_norm=False):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     hook = fault() if fault else None
     try:
-        return record(_scenario(), root / name, dtype="bf16", replay=root / "ref", local=root / "ref",
+        return record(_scenario(weight_norm), root / name, dtype="bf16", replay=root / "ref", local=root / "ref",
                       target_hooks=hook)
     finally:
         torch.set_num_threads(old)
@@ -84,3 +86,14 @@ def test_a_correct_control_still_judges(runs):
     assert not any(f.kind == "precision.control_kernel" for f in rep.findings)
     # and a wrong control cannot fail a correct target: the control only ever passes entries
     assert compare(runs / "ref", runs / "clean_control", control=runs / "control").verdict == "pass"
+
+
+def test_a_parametrized_weight_is_rebuilt_for_the_check(tmp_path):
+    """A weight_norm'd convolution: the check takes the weight its call computed with."""
+    record(_scenario(True), tmp_path / "ref")
+    wrong = lambda: opfaults.scale_op("proj", "convolution", 1.05)  # noqa: E731
+    _record(tmp_path, "target", 2, wrong, weight_norm=True)
+    _record(tmp_path, "control", 1, wrong, weight_norm=True)
+    rep = compare(tmp_path / "ref", tmp_path / "target", control=tmp_path / "control")
+    assert rep.verdict == "fail" and rep.first_divergence["module"] == "proj", rep.first_divergence
+    assert any(f.kind == "precision.control_kernel" and f.module == "proj" for f in rep.findings)
