@@ -12,6 +12,8 @@ found 2026-12-06 behind timm_volo's clean bf16 failure at patch_embed.proj (loca
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -19,18 +21,21 @@ import torch.nn.functional as F
 def wrong_bf16_convs(model: torch.nn.Module, length: int = 79, tol: float = 0.1) -> list[str]:
     """The grouped Conv1d modules of ``model`` whose bf16 CPU kernel is more than ``tol`` off
     float64 (relative L2) on random data of ``length`` steps."""
-    wrong = []
     g = torch.Generator().manual_seed(0)
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Conv1d) and m.groups > 1:
-            x = torch.randn(2, m.in_channels, length, generator=g)
-            w = torch.randn(tuple(m.weight.shape), generator=g) * 0.1
-            kw = dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
-            want = F.conv1d(x.double(), w.double(), **kw)
-            got = F.conv1d(x.bfloat16(), w.bfloat16(), **kw).double()
-            if float((got - want).norm() / want.norm()) > tol:
-                wrong.append(name)
-    return wrong
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Conv1d) and m.groups > 1
+            and _off(m, F.conv1d, (2, m.in_channels, length), g) > tol]
+
+
+def _off(m: torch.nn.Module, conv: Any, shape: tuple[int, ...], g: torch.Generator) -> float:
+    """Relative L2 error of convolution ``m``'s bf16 CPU kernel against float64 on random data
+    of ``shape`` and a random weight of its shape (drawn from ``g``)."""
+    x = torch.randn(shape, generator=g)
+    w = torch.randn(tuple(m.weight.shape), generator=g) * 0.1
+    kw = dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
+    want = conv(x.double(), w.double(), **kw)
+    got = conv(x.bfloat16(), w.bfloat16(), **kw).double()
+    return float((got - want).norm() / want.norm())
 
 
 def wrong_bf16_conv2ds(model: torch.nn.Module, tol: float = 0.1, narrow: int = 32) -> list[str]:
@@ -38,19 +43,10 @@ def wrong_bf16_conv2ds(model: torch.nn.Module, tol: float = 0.1, narrow: int = 3
     CPU kernel is more than ``tol`` off float64 (relative L2) on random 2 x C x H x H data (H 32,
     or twice the kernel): where this machine's kernel fails (the module docstring); wider
     convolutions are not checked (cost)."""
-    wrong = []
     g = torch.Generator().manual_seed(0)
-    for name, m in model.named_modules():
-        if type(m) is torch.nn.Conv2d and m.in_channels // m.groups <= narrow:
-            h = max(32, 2 * max(m.kernel_size))
-            x = torch.randn(2, m.in_channels, h, h, generator=g)
-            w = torch.randn(tuple(m.weight.shape), generator=g) * 0.1
-            kw = dict(stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
-            want = F.conv2d(x.double(), w.double(), **kw)
-            got = F.conv2d(x.bfloat16(), w.bfloat16(), **kw).double()
-            if float((got - want).norm() / want.norm()) > tol:
-                wrong.append(name)
-    return wrong
+    return [name for name, m in model.named_modules()
+            if type(m) is torch.nn.Conv2d and m.in_channels // m.groups <= narrow
+            and _off(m, F.conv2d, (2, m.in_channels) + (max(32, 2 * max(m.kernel_size)),) * 2, g) > tol]
 
 
 def main() -> int:

@@ -111,6 +111,23 @@ def record_trace(scen: Path, fn: str, out: Path, **kwargs) -> Path:
     return record(load_scenario(spec), out, force=True, model_id=spec, **kwargs)
 
 
+def record_side(scenario, out: Path, *, threads: int | None = None, fault=None, **options) -> Path:
+    """Record ``scenario`` with ``threads`` intra-op threads and the op fault ``fault()`` made
+    for this record only (removed after it, the thread count put back)."""
+    from driftcheck.record.runner import record
+
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    hook = fault() if fault else None
+    try:
+        return record(scenario, out, target_hooks=hook, **options)
+    finally:
+        torch.set_num_threads(old)
+        if hook is not None:
+            hook.remove()
+
+
 def a_middle_linear(name: str) -> str:
     """The middle nn.Linear of a built-in model (where the fault benches inject)."""
     from torch import nn

@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.entries import TraceEntry, identical
 from driftcheck.compare.findings import FindingLog
 from driftcheck.compare.index import Call, DependencyIndex, call_of
-from driftcheck.compare.inheritance import identical
 from driftcheck.compare.propagation import Ledger
 from driftcheck.gate.report import DRIFT, IGNORED, OK, Entry, Finding
 from driftcheck.numerics import dtypes

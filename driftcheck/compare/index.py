@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
-from driftcheck.compare.entries import TraceEntry
+from driftcheck.compare.entries import TraceEntry, identical
 from driftcheck.store.keys import Slot, TraceKey
 
 Entries = list[TraceEntry]
@@ -109,7 +109,7 @@ class DependencyIndex:
         call = Call(e.step, e.module, e.call)
         while (first := next(iter(self.fwd_out.get(call) or self.fwd_in.get(call) or []), None)) is not None \
                 and (parent := self.parent_of(first)) is not None:
-            if e.phase != "backward" or not any(_same_stats(o, p) for o in self.fwd_out.get(call, ())
+            if e.phase != "backward" or not any(identical(o, p) for o in self.fwd_out.get(call, ())
                                                 for p in self.fwd_out.get(parent, ())):
                 return None  # the parent's own code consumed it (or computed the input)
             call = parent
@@ -261,9 +261,3 @@ class DependencyIndex:
             for cc in self.calls.get((s, m), ()):
                 deps += self.fwd_in.get(Call(s, m, cc), [])
         return deps
-
-
-def _same_stats(a: TraceEntry, b: TraceEntry) -> bool:
-    """Whether the reference recorded the same nonzero tensor for both (whole-tensor stats)."""
-    return bool(a.stats.get("l2")) and all(a.stats.get(k) == b.stats.get(k)
-                                           for k in ("numel", "l2", "mean", "min", "max"))

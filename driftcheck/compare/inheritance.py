@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from driftcheck.compare.entries import TraceEntry, gradient_slot
+from driftcheck.compare.entries import TraceEntry, gradient_slot, identical
 from driftcheck.compare.index import DependencyIndex
 from driftcheck.compare.measure import rms_of
 from driftcheck.compare.norms import Norms, through_norm
@@ -31,13 +31,6 @@ def _same_values(a: Any, b: Any) -> bool:
     tokens of a (batch, tokens, channels) stream sees (batch * tokens, channels))."""
     a, b = list(a), list(b)
     return a == b or (bool(a) and bool(b) and a[-1] == b[-1] and math.prod(a) == math.prod(b))
-
-
-def identical(d: TraceEntry, r: TraceEntry) -> bool:
-    """Whether the reference recorded the same nonzero values for ``d`` and ``r`` (the same
-    tensor, passed on unchanged), by their whole-tensor statistics."""
-    a, b = d.stats, r.stats
-    return bool(a.get("l2")) and all(a.get(k) == b.get(k) for k in ("numel", "l2", "mean", "min", "max"))
 
 
 MEAN_SAME = 1e-4  # two float32 means of the same terms agree to this (relative)

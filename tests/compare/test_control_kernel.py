@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import record_side
 from torch import nn
 
 from driftcheck import Scenario
@@ -42,16 +43,8 @@ def _scenario(weight_norm: bool = False) -> Scenario:
 
 
 def _record(root, name, threads, fault=None, weight_norm=False):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    hook = fault() if fault else None
-    try:
-        return record(_scenario(weight_norm), root / name, dtype="bf16", replay=root / "ref", local=root / "ref",
-                      target_hooks=hook)
-    finally:
-        torch.set_num_threads(old)
-        if hook is not None:
-            hook.remove()
+    return record_side(_scenario(weight_norm), root / name, threads=threads, fault=fault, dtype="bf16",
+                       replay=root / "ref", local=root / "ref")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA, dc
+from conftest import DATA, dc, record_side
 
 from driftcheck.compare import compare
 from driftcheck.errors import DriftcheckError
@@ -25,17 +25,8 @@ FRAGILE = f"{DATA / 'fragile.py'}:build"
 def _record(root: Path, name: str, *, dtype: str, fault=None, threads: int | None = None,
             model: str = FRAGILE) -> Path:
     ref = root / "ref"
-    old = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    hook = fault() if fault else None
-    try:
-        return record(load_scenario(model), root / name, dtype=dtype, replay=ref, local=ref, force=True,
-                      target_hooks=hook)
-    finally:
-        torch.set_num_threads(old)
-        if hook is not None:
-            hook.remove()
+    return record_side(load_scenario(model), root / name, threads=threads, fault=fault, dtype=dtype,
+                       replay=ref, local=ref, force=True)
 
 
 @pytest.fixture(scope="module")
