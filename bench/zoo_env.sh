@@ -10,6 +10,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py="${PYTHON:-$here/../.venv/bin/python}"
+[ -x "$py" ] || py="$(command -v python || command -v python3)"  # no .venv: the active Python
 site="$here/.zoo-site"
 wheels="${WHEELS:-/tmp/whl}"
 pkgs=(torchvision==0.28.0 timm==1.0.31)

@@ -1,6 +1,6 @@
 """A slice of the calibration corpus (bench/zoo.py): three third-party architectures from
 transformers and diffusers (and, for the floor classes, torchvision's: .ci/run installs it and
-timm into bench/.zoo-site with bench/zoo_env.sh) through the corpus's own
+timm into bench/.zoo-site with bench/zoo_env.sh, and this module does where that is missing) through the corpus's own
 protocol, in-process: every clean control (bf16, 2 threads, autocast bf16, and the real-kernel
 controls: ATEN_CPU_CAPABILITY=default and avx2, recorded in a fresh process, and oneDNN off, on the
 first architecture; full and stats mode; with and without the local replay) must pass, and a x1.05
@@ -8,6 +8,8 @@ defect on a middle Linear must fail and be localized at that module. Clean cases
 xfail(strict=True) with the reason, so they show up as XPASS when the floor is fixed."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +18,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+if not (BENCH / ".zoo-site" / "torchvision").is_dir():
+    # a fresh checkout (the README's two commands, not .ci/run): torchvision and timm model code
+    # into bench/.zoo-site from the package index, as .ci/run does, for this interpreter
+    subprocess.run(["bash", str(BENCH / "zoo_env.sh")], env={**os.environ, "PYTHON": sys.executable},
+                   check=True, stdout=subprocess.DEVNULL)
+sys.path.insert(0, str(BENCH))
 
 import zoo  # noqa: E402
 

@@ -133,9 +133,28 @@ class Judge:
         gain, gain_max = self.norms.gain(r)
         if gain > 1.0:
             details["norm_gain"] = gain
-        scale_rms = max(ref_rms, mag)
+        scale_rms = max(ref_rms, mag, self.norm_unit(r))
         scale_max = ref_max * (scale_rms / ref_rms if ref_rms > 0 else 1.0)
+        if not ref_max and scale_rms:
+            # The reference is exactly zero (terms that cancel exactly: a gradient over two
+            # mirrored samples) where its terms are not: the target's rounding of them is noise
+            # of rms scale_rms, whose largest of n elements is ~sqrt(2 ln n) times that.
+            n = max(int(r.stats.get("numel") or 0), 2)
+            scale_max = scale_rms * math.sqrt(2.0 * math.log(n))
         return Scale(ref_rms, ref_max, scale_rms, scale_max, gain, gain_max)
+
+    def norm_unit(self, r: TraceEntry) -> float:
+        """A mean-subtracting norm's output is gamma (x - mean) / sqrt(var + eps) + beta: its
+        rounding of x - mean, u |x|, comes out as u |x| / sqrt(var + eps) |gamma|, the gain times
+        gamma, whatever the output's own size. Where a group's spread is below eps (a GroupNorm
+        of one channel a group over a 1x1 map: x - mean is rounding noise) the output is that
+        noise, far below gamma (hf_deformable_detr's input projection, 1.4e5 with 2 threads).
+        The rms of the norm's weight (1 without one) for its forward output; 0 elsewhere."""
+        if not (r.phase == "forward" and r.slot_is("output") and r.meta.get("norm_dims")
+                and not r.meta.get("norm_rms")):
+            return 0.0
+        w = self.index.by_align.get(TraceKey(r.step, "params", r.module, 0, "param.weight"))
+        return rms_of(w.stats) if w is not None else 1.0
 
     def pass_on(self, r: TraceEntry, t: TraceEntry, m: dict[str, Any], how: str, scale: Scale) -> None:
         """Record what the entry passes on: its error relative to its scale (and absolute)."""
