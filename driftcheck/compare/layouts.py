@@ -29,7 +29,9 @@ entries of the same key (docs/trace-format.md, "Layouts"):
 
 Same layouts (both sides multi-rank with the same ranks and the same ``parallel``) keep
 compare/ranks.py's rank-by-rank path.
-Full-mode traces only: stats mode keeps a sample, from which no logical tensor can be rebuilt.
+In stats mode the logical entry is rebuilt from the ranks' statistics and samples
+(compare/parts.py): joined parts' statistics combine exactly, their samples are the ranks' shares
+of the logical sample, kept at record time (record/parts.py).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from driftcheck.compare import parts
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
 from driftcheck.store.layout import rank_dirs
@@ -65,10 +68,6 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
     kwargs.pop("truth", None)
     dirs = [rank_dirs(ref), rank_dirs(target)]
     firsts = [TraceReader(d[min(d)] if d else side) for d, side in zip(dirs, (ref, target))]
-    for r in firsts:
-        if r.run.get("mode") != "full":
-            raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
-                                  "both sides (record with --mode full)")
     expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp")
                               for r, d in zip(firsts, dirs)))
     warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
@@ -147,10 +146,9 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
     warnings."""
     readers = [TraceReader(ranks[r]) for r in sorted(ranks)]
     base = readers[0]
-    for r in readers:
-        if r.run.get("mode") != "full":
-            raise DriftcheckError(f"{r.dir}: comparing across layouts needs full-mode traces on "
-                                  "both sides (record with --mode full)")
+    if len({r.run.get("mode") for r in readers}) > 1:
+        raise DriftcheckError(f"{ranks[min(ranks)].parent}: its ranks were recorded in different modes")
+    seed = int(base.run.get("seed") or 0)
     by_key = [{e["key"]: e for e in r.entries} for r in readers]
     parallel = base.run.get("parallel")
     warnings: list[str] = []
@@ -160,10 +158,10 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
                 raise DriftcheckError(f"{e['key']} is in rank 0's trace but not in every rank's: "
                                       "the ranks ran different steps or modules")
             group = [k[e["key"]] for k in by_key]
+            if not all(g.get("tensor") for g in group):  # stats mode (or auto's stats entries)
+                warnings += _stats_entry(writer, readers, group, expect.get(e["key"]), parallel, seed)
+                continue
             tensors = [r.tensor(g) for r, g in zip(readers, group)]
-            if any(t is None for t in tensors):
-                raise DriftcheckError(f"{e['key']}: a rank's entry holds no tensor; comparing "
-                                      "across layouts needs full-mode traces")
             t, how = logical_tensor(group, tensors, expect.get(e["key"]), parallel)  # type: ignore[arg-type]
             if how == "replicated-differs":
                 warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
@@ -173,6 +171,28 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
         extra = {k: v for k, v in base.manifest.items()
                  if k not in ("format", "version", "run", "shards", "entries", "replay")}
         writer.close(dict(run, world_size=len(readers), layout="logical"), extra)
+    return warnings
+
+
+def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[dict[str, Any]],
+                 expect: list[int] | None, parallel: str | None, seed: int) -> list[str]:
+    """Write the logical stats-mode entry of the ranks' ``group`` (compare/parts.py); warnings."""
+    e = group[0]
+    samples = [r.tensor(g, "sample") for r, g in zip(readers, group)]
+    if any(s is None for s in samples):
+        raise DriftcheckError(f"{e['key']}: a rank's entry holds neither a tensor nor a sample")
+    how = parts.how_of(group, expect, parallel)
+    shape, stats, sample, estimated = parts.logical(
+        group, samples, how, seed,  # type: ignore[arg-type]
+        lambda ts: logical_tensor(group, ts, expect, parallel)[0])
+    warnings = []
+    if how == "replicated" and not all(torch.equal(samples[0], s) for s in samples[1:]):  # type: ignore[arg-type]
+        warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
+    warnings += batch_statistics(e, how, warnings)
+    entry = _entry(e, group, None, how, parallel, shape=shape, stats=stats)
+    if estimated:
+        entry.setdefault("meta", {})["stats_from_sample"] = True
+    writer.add(entry, None, sample=sample.contiguous())
     return warnings
 
 
@@ -268,14 +288,16 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     return (t.double() * factor).to(t.dtype) if t.is_floating_point() else t
 
 
-def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor, how: str,
-           parallel: str | None = None) -> dict[str, Any]:
-    """The logical entry: rank 0's, with the logical tensor's shape and statistics; the meta
-    that summarises a batch slice combined over the slices."""
+def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor | None, how: str,
+           parallel: str | None = None, shape: list[int] | None = None,
+           stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The logical entry: rank 0's, with the logical tensor's shape and statistics (of ``t``, or
+    ``shape`` and ``stats`` of a stats-mode entry); the meta that summarises a batch slice
+    combined over the slices."""
     out = {k: v for k, v in e.items() if k not in ("tensor", "sample", "stats", "meta")}
-    out["shape"] = list(t.shape)
-    out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist())
-    meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout")}
+    out["shape"] = list(t.shape) if t is not None else list(shape or [])
+    out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist()) if t is not None else dict(stats or {})
+    meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout", "part")}
     if len(group) > 1 and (how == "summed" or (  # a reduction across the ranks (allowances.py)
             e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and parallel != "tp")):
         meta["rank_split"] = len(group)

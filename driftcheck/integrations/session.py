@@ -34,6 +34,7 @@ from driftcheck.nested import flatten, substitute
 from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks
 from driftcheck.record.metadata import run_metadata
+from driftcheck.record.parts import Parts
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer
 from driftcheck.store import format as fmt
@@ -136,6 +137,9 @@ class TraceSession:
             raise FileExistsError(str(e).replace("pass --force", "pass force=True")) from None
         self.tracer = Tracer(self.model, self.writer, mode=self.mode, optimizer=optimizer,
                              steps=self.capture, seed=self.seed, **self.tracer_kwargs)
+        if self.rank and self.tracer.mode != "full":  # each part's share of the logical sample
+            self.tracer.capture.parts = Parts(self.rank["rank"], self.rank["world_size"],
+                                              ranks.splits_batch(self.rank["parallel"]), self.tracer.capture.seed)
         self.tracer.attach()
         self.tracer.pause()
         # A compiled model (torch.compile by the loop, Trainer's torch_compile): Dynamo's account

@@ -16,6 +16,7 @@ import torch
 
 from driftcheck.numerics import dtypes, stats as tstats
 from driftcheck.record.config import CaptureConfig
+from driftcheck.record.parts import Parts, dtensor_layout
 from driftcheck.record.selection import Selection
 from driftcheck.store.keys import key_string, sample_key
 from driftcheck.store.writer import TraceWriter
@@ -75,6 +76,7 @@ class Capture:
         # module path -> the layout of a plain tensor there that is a tensor-parallel shard
         # (record/tensor_parallel.py activation_layouts); empty unless --parallel tp
         self.shards: dict[str, Callable[[str, str, torch.Tensor], dict[str, Any] | None]] = {}
+        self.parts: Parts | None = None  # a rank of a multi-rank stats record: its parts' shares
         self.reset()
 
     def reset(self) -> dict[int, Known]:
@@ -184,6 +186,9 @@ class Capture:
             entry["sample_key"] = sk
             if phase == "optimizer":
                 entry.setdefault("meta", {})["sampled_as"] = "params"
+        if self.parts is not None and data.is_floating_point() and phase != "loss" \
+                and not self.selection.full(module):
+            dev_meta = self._share(entry, data, sk, dev_meta)
         if summary is not None:  # (stats row, sample) taken earlier: only the sample is held
             data = summary[1] if summary[1] is not None else data  # (row, None): ``t`` is a copy
         elif self.audit is None:
@@ -198,6 +203,16 @@ class Capture:
                 self.pending_bytes > self.max_pending_bytes
                 or (self.pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"))):
             self.flush()
+
+    def _share(self, entry: dict[str, Any], data: torch.Tensor, skey: str,
+               dev_meta: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """Meta ``part``: this rank's share of the logical sample (record/parts.py), its values
+        gathered on the device and read back with the other device meta."""
+        got = self.parts.share_of(entry, data, skey) if self.parts is not None else None
+        if got is None:
+            return dev_meta
+        entry.setdefault("meta", {})["part"] = got[0]
+        return dict(dev_meta or {}, part_sample=got[1])
 
     def take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
               copy: bool) -> tuple[Summary | None, torch.Tensor]:
@@ -321,6 +336,8 @@ def _apply_meta(pending: list[Pending], metas: list[tuple[int, str, torch.Tensor
             meta = pending[i].entry.setdefault("meta", {})
             meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
             meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
+        elif k == "part_sample":  # record/parts.py: this rank's share of the logical sample
+            pending[i].entry["meta"]["part"]["values"] = v
         elif k == "logit_absmax":
             pending[i].entry.setdefault("meta", {})[k] = float(v[0])
         else:  # kink_profile: counts
@@ -377,19 +394,3 @@ def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             out[i] = flat[offset:offset + n].reshape(tensors[i].shape).clone()
             offset += n
     return out  # type: ignore[return-value]
-
-
-def dtensor_layout(t: Any) -> dict[str, Any]:
-    """How a DTensor's local shard maps to the logical tensor (meta ``layout``), from its own
-    attributes, no collective: its placements (``"S<dim>"`` sharded along dim, ``"R"``
-    replicated, ``"P"`` a partial sum), the mesh's shape, this rank's coordinate in the mesh
-    and the logical shape (docs/trace-format.md)."""
-    def name(p: Any) -> str:
-        if p.is_shard():
-            return f"S{p.dim}"
-        return "R" if p.is_replicate() else "P"
-
-    mesh = t.device_mesh
-    coord = mesh.get_coordinate()
-    return {"placements": [name(p) for p in t.placements], "mesh": list(mesh.shape),
-            "coord": list(coord) if coord is not None else None, "global_shape": list(t.shape)}

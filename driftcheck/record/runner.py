@@ -27,6 +27,7 @@ from driftcheck.record.config import RecordConfig
 from driftcheck.record.inputs import Inputs, new_inputs, replayed_inputs, splits_batch_of
 from driftcheck.record.loop import train
 from driftcheck.record.metadata import run_metadata
+from driftcheck.record.parts import Parts
 from driftcheck.record.points import load_point_optimizer
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.tracer import Tracer, view_audit
@@ -211,6 +212,9 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
                         local=local_replay, compiled=m.compiled)
         if tp_plan:  # the activations the plan's styles hand over as local shards
             tracer.capture.shards = tensor_parallel.activation_layouts(model)
+        if (ranks_.world or 1) > 1 and config.mode != "full":  # each part's share of the logical sample
+            tracer.capture.parts = Parts(ranks_.rank or 0, ranks_.world or 1, ranks.splits_batch(config.parallel),
+                                         tracer.capture.seed)
         tracer.step_index = config.start or 0
         tracer.attach()
         account = compilation.Account().start() if m.compiled else None

@@ -133,13 +133,83 @@ def test_ddp_against_fsdp2_and_2_ranks_against_4_are_judged_as_one(runs):
     assert compare_ranks(runs / "ref", runs / "ddp4").verdict == "pass"
 
 
-def test_across_layouts_needs_full_mode_in_one_line(runs, tmp_path):
-    (tmp_path / "sc.py").write_text(SCENARIO)
-    _record(tmp_path, "--out", str(tmp_path / "stats"), "--mode", "stats", "--replay", str(runs / "ref"))
-    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(tmp_path / "stats"),
-                           str(runs / "ddp")], capture_output=True, text=True, timeout=120,
+# -- stats mode across layouts: tensors whose parts are larger than a sample ----------------------
+STATS_SCENARIO = SCENARIO
+for _small, _large in (("nn.Linear(8, 16)", "nn.Linear(32, 64)"), ("nn.Linear(16, 16)", "nn.Linear(64, 64)"),
+                       ("nn.LayerNorm(16)", "nn.LayerNorm(64)"), ("nn.Linear(16, 4)", "nn.Linear(64, 4)"),
+                       ("torch.randn(4, 8, generator=g)", "torch.randn(64, 32, generator=g)")):
+    assert _small in STATS_SCENARIO
+    STATS_SCENARIO = STATS_SCENARIO.replace(_small, _large)
+
+
+@pytest.fixture(scope="module")
+def stats_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts-stats")
+    (tmp / "sc.py").write_text(STATS_SCENARIO)
+    _record(tmp, "--out", str(tmp / "ref"), "--mode", "stats")  # single process, fp32
+    for name, extra, fault in (("ddp", ("--parallel", "ddp"), False),
+                               ("fsdp-bf16", ("--parallel", "fsdp", "--dtype", "bf16"), False),
+                               ("fsdp-fault", ("--parallel", "fsdp", "--dtype", "bf16"), True)):
+        _record(tmp, "--out", str(tmp / name), "--replay", str(tmp / "ref"), "--mode", "stats", *extra,
+                ranks=2, fault=fault)
+    # the 2-rank fp32 run serves as a reference too: the same weights and inputs as one process
+    _record(tmp, "--out", str(tmp / "single-bf16"), "--replay", str(tmp / "ref"), "--mode", "stats",
+            "--dtype", "bf16")
+    return tmp
+
+
+def test_stats_mode_a_2_rank_ddp_fp32_target_rebuilds_the_single_process_samples(stats_runs):
+    r1 = TraceReader(rank_dirs(stats_runs / "ddp")[1])
+    x = next(e for e in r1.entries if e["key"] == "0/forward/3/0/output")  # (32, 64) of (64, 64)
+    part = x["meta"]["part"]
+    assert part["global_shape"] == [64, 64] and (part["dim"], part["start"]) == (0, 32)
+    assert 0 < len(part["j"]) == len(part["values"]) < 512
+    report = compare_ranks(stats_runs / "ref", stats_runs / "ddp")
+    assert report.verdict == "pass", report.decided_by
+    assert report.target["layout"] == "logical" and report.target["world_size"] == 2
+    assert len(report.entries) == len(TraceReader(stats_runs / "ref").entries)
+    # the samples at the single process's positions, the joined parts' statistics combined: the
+    # same numbers as one process up to float32 rounding of another summation order
+    joined = [e for e in report.entries if e.phase in ("forward", "backward") and e.metrics.get("count") == 512]
+    assert joined and max(e.metrics["rel_l2"] for e in joined) < 1e-5
+    out = next(e for e in report.entries if e.key == "0/forward/3/0/output")
+    assert out.details["tgt_stats"]["numel"] == 4096
+    assert abs(out.details["tgt_stats"]["l2"] / out.details["ref_stats"]["l2"] - 1) < 1e-6
+
+
+def test_stats_mode_single_fp32_against_2_rank_fsdp2_bf16_passes_and_a_fault_is_named(stats_runs):
+    w = next(e for e in TraceReader(rank_dirs(stats_runs / "fsdp-bf16")[1]).entries
+             if e["key"] == "0/params/3/0/param.weight")
+    assert w["meta"]["part"]["global_shape"] == [64, 64] and w["meta"]["part"]["start"] == 32
+    report = compare_ranks(stats_runs / "ref", stats_runs / "fsdp-bf16")
+    assert report.verdict == "pass", report.decided_by
+    report = compare_ranks(stats_runs / "ref", stats_runs / "fsdp-fault")
+    assert report.verdict == "fail"
+    fd = report.first_divergence
+    assert (fd["module"], fd["phase"], fd["step"]) == ("2", "forward", 0), fd
+
+
+def test_stats_mode_a_2_rank_reference_against_a_single_process_target_passes(stats_runs):
+    report = compare_ranks(stats_runs / "ddp", stats_runs / "single-bf16")
+    assert report.verdict == "pass", report.decided_by
+    assert report.reference["layout"] == "logical"
+
+
+def test_stats_mode_ranks_without_their_share_are_one_line(stats_runs, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "old"
+    shutil.copytree(stats_runs / "ddp", copy)
+    for d in rank_dirs(copy).values():  # as a record made before the shares were kept
+        m = json.loads((d / "manifest.json").read_text())
+        for e in m["entries"]:
+            (e.get("meta") or {}).pop("part", None)
+        (d / "manifest.json").write_text(json.dumps(m))
+    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(stats_runs / "ref"), str(copy)],
+                          capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
-    assert proc.returncode == 2 and "needs full-mode traces" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "holds no share of the logical sample" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 

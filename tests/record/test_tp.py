@@ -119,6 +119,25 @@ def test_a_5_percent_fault_in_one_sharded_module_is_named(runs):
     assert "FAIL layers.1.mlp.up_proj's forward output" in proc.stdout
 
 
+def test_stats_mode_a_2_rank_tp_bf16_target_against_a_single_fp32_reference(runs, tmp_path):
+    """Stats mode across layouts: each shard (parameters, the colwise Linears' outputs) keeps its
+    share of the logical sample (record/parts.py); compare puts them together (compare/parts.py)."""
+    (tmp_path / "sc.py").write_text(SCENARIO)
+    _record(tmp_path, "--out", str(tmp_path / "ref"), "--replay", str(runs / "ref"), "--mode", "stats")
+    for name, extra, fault in (("tp", ("--dtype", "bf16"), False), ("tp-fault", (), True)):
+        _record(tmp_path, "--out", str(tmp_path / name), "--replay", str(runs / "ref"), "--mode", "stats",
+                "--parallel", "tp", *extra, ranks=2, fault=fault)
+    up = _entries(tmp_path / "tp", 1)["0/forward/layers.1.mlp.up_proj/0/output"]  # (2, 16, 96) of 192
+    assert up["meta"]["part"]["global_shape"] == [2, 16, 192] and up["meta"]["part"]["start"] == 96
+    report = compare_ranks(tmp_path / "ref", tmp_path / "tp")
+    assert report.verdict == "pass", report.decided_by
+    assert len(report.entries) == len(TraceReader(tmp_path / "ref").entries)
+    assert not any("differ" in w for w in report.warnings), report.warnings
+    report = compare_ranks(tmp_path / "ref", tmp_path / "tp-fault")
+    fd = report.first_divergence
+    assert report.verdict == "fail" and fd["module"] == "layers.1.mlp.up_proj", fd
+
+
 def test_tp_replays_a_ddp_reference_with_the_whole_batch(runs, tmp_path):
     (tmp_path / "sc.py").write_text(SCENARIO)
     _record(tmp_path, "--out", str(tmp_path / "ddp"), "--parallel", "ddp", ranks=2)

@@ -1,0 +1,130 @@
+"""Parts: the logical stats-mode entry of a multi-rank run, from its ranks' entries of one key.
+
+compare/layouts.py rebuilds the logical tensor of a full-mode entry; a stats-mode entry has only
+statistics and a 512-element sample, so its logical entry is rebuilt from those
+(docs/trace-format.md, "Layouts"):
+
+- where every rank's sample is its whole tensor (at most 512 elements), the logical tensor
+  itself, exactly as in full mode, then its statistics and its sample;
+- a part joined with the others (a DTensor shard ``S<d>``, a data-parallel batch slice): the
+  statistics combine exactly (counts, sums, sums of squares, extremes); the sample is the
+  ranks' shares of the logical sample (record/parts.py, meta ``part``), at the positions a
+  single process samples;
+- a sum or a mean over the ranks (a partial sum ``P``, the loss, DDP's gradients before the
+  all-reduce, a gradient every rank holds whole): each rank sampled the same positions, so the
+  sample is the sum or mean of theirs; the statistics of a sum cannot be combined from its
+  terms' and are estimated from that sample (meta ``stats_from_sample``);
+- replicated: rank 0's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from driftcheck.errors import DriftcheckError
+from driftcheck.numerics import stats as tstats
+from driftcheck.store.keys import sample_key
+
+Entry = dict[str, Any]
+
+
+def how_of(group: list[Entry], expect: list[int] | None, parallel: str | None) -> str:
+    """How the ranks' entries of one key make the logical one, from their shapes and layout only
+    (the rules of layouts.logical_tensor): ``gathered``, ``summed``, ``batch``, ``mean`` or
+    ``replicated``."""
+    e, n = group[0], len(group)
+    layout = (e.get("meta") or {}).get("layout")
+    if layout:
+        return "summed" if layout["placements"] == ["P"] else "gathered"
+    shape = list(e["shape"])
+    if parallel != "tp":
+        if e["phase"] == "loss" or (e["phase"] == "grads" and parallel == "ddp"):
+            return "mean"
+        if e["phase"] in ("forward", "backward"):
+            if expect is not None and n > 1 and shape and [shape[0] * n, *shape[1:]] == list(expect):
+                return "batch"
+            if expect is not None and shape != list(expect):
+                raise DriftcheckError(f"{e['key']}: the ranks hold shape {shape}, the other side "
+                                      f"{list(expect)}: neither its batch slice (dim 0) nor the whole tensor")
+            if e["phase"] == "backward":
+                return "mean"
+    elif expect is not None and shape != list(expect):
+        part = (e.get("meta") or {}).get("part")
+        if part is None or list(part["global_shape"]) != list(expect):
+            raise DriftcheckError(f"{e['key']}: the tensor-parallel ranks hold shape {shape}, the other "
+                                  f"side {list(expect)}: not their part along the last dim, which is "
+                                  "all a stats-mode record keeps of it; record with --mode full")
+        return "gathered"  # an activation outside the plan, its part along the last dim
+    return "replicated"
+
+
+def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int,
+            whole: Any) -> tuple[list[int], dict[str, Any], torch.Tensor, bool]:
+    """(shape, statistics, sample, whether the statistics are estimated from the sample) of the
+    logical entry. ``whole(tensors)`` is layouts.logical_tensor's rebuilding of whole tensors."""
+    e, n = group[0], len(group)
+    key = sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
+    dtype = samples[0].dtype
+    if all(s.numel() == math.prod(g["shape"]) for s, g in zip(samples, group)):
+        t = whole([s.reshape(g["shape"]) for s, g in zip(samples, group)])
+        return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, key, seed), False
+    if how in ("gathered", "batch") and not ((e.get("meta") or {}).get("layout") or {}).get("placements") == ["R"]:
+        parts = [(g.get("meta") or {}).get("part") for g in group]
+        if any(p is None or "values" not in p for p in parts):
+            raise DriftcheckError(f"{e['key']}: a rank's stats-mode entry holds no share of the logical "
+                                  "sample (recorded before driftcheck kept one); record again, or "
+                                  "with --mode full")
+        shape = list(parts[0]["global_shape"])  # type: ignore[index]
+        out = torch.full((tstats.SAMPLE_SIZE,), float("nan"), dtype=torch.float64)
+        seen = torch.zeros(tstats.SAMPLE_SIZE, dtype=torch.bool)
+        for p in parts:
+            j = torch.tensor(p["j"], dtype=torch.long)  # type: ignore[index]
+            out[j] = torch.tensor(p["values"], dtype=torch.float64)  # type: ignore[index]
+            seen[j] = True
+        if not bool(seen.all()):
+            raise DriftcheckError(f"{e['key']}: the ranks' shares cover {int(seen.sum())} of the "
+                                  f"logical sample's {tstats.SAMPLE_SIZE} positions: not one tensor's parts")
+        factor = 1.0 / n if how == "batch" and e["phase"] == "backward" else 1.0
+        stats = combined([g["stats"] for g in group], factor)
+        return shape, stats, (out * factor).to(dtype), False
+    if how in ("summed", "mean"):
+        total = torch.stack([s.double() for s in samples]).sum(0)
+        sample = (total / n if how == "mean" else total).to(dtype)
+        return list(e["shape"]), estimated(sample, math.prod(e["shape"])), sample, True
+    return list(e["shape"]), dict(e["stats"]), samples[0], False
+
+
+def combined(parts: list[dict[str, Any]], factor: float = 1.0) -> dict[str, Any]:
+    """The statistics of the parts joined into one tensor (times ``factor`` > 0), exactly: counts
+    add, the finite elements' mean and mean square are count-weighted, extremes are extremes."""
+    count = [float((p.get("numel") or 0) - (p.get("nan") or 0) - (p.get("inf") or 0)) for p in parts]
+    c = sum(count)
+    out: dict[str, Any] = {k: int(sum(int(p.get(k) or 0) for p in parts)) for k in ("nan", "inf", "numel")}
+    for k in tstats.FP8_FIELDS:
+        if all(k in p for p in parts):
+            out[k] = int(sum(int(p[k]) for p in parts))
+    live = [(p, w) for p, w in zip(parts, count) if w > 0]
+    if not c or not live:
+        out.update({k: None for k in ("min", "max", "mean", "std", "absmax")}, l2=0.0)
+        return out
+    mean = sum(w * float(p["mean"]) for p, w in live) / c
+    sq = sum(w * (float(p["std"]) ** 2 + float(p["mean"]) ** 2) for p, w in live) / c
+    out.update(min=factor * min(float(p["min"]) for p, _ in live), max=factor * max(float(p["max"]) for p, _ in live),
+               mean=factor * mean, std=factor * math.sqrt(max(sq - mean * mean, 0.0)),
+               absmax=factor * max(float(p["absmax"]) for p, _ in live),
+               l2=factor * math.sqrt(sum(float(p.get("l2") or 0.0) ** 2 for p in parts)))
+    return out
+
+
+def estimated(sample: torch.Tensor, numel: int) -> dict[str, Any]:
+    """Statistics of a tensor of ``numel`` elements estimated from its sample: its mean, spread
+    and extremes as the sample's, its l2 norm scaled to the whole, counts scaled likewise."""
+    s = tstats.to_dict(tstats.stats_vector(sample).tolist())
+    k = max(sample.numel(), 1)
+    scale = numel / k
+    s["l2"] = float(s.get("l2") or 0.0) * math.sqrt(scale)
+    s["nan"], s["inf"] = round(int(s["nan"] or 0) * scale), round(int(s["inf"] or 0) * scale)
+    s["numel"] = numel
+    return s

@@ -1,0 +1,113 @@
+"""The logical stats-mode entry of a multi-rank run from its ranks' statistics and samples
+(compare/parts.py), against the same entry of the whole tensor: what a single process records."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from driftcheck.compare.layouts import logical_tensor
+from driftcheck.compare.parts import combined, how_of, logical
+from driftcheck.errors import DriftcheckError
+from driftcheck.numerics import stats as tstats
+from driftcheck.record.parts import Parts, dtensor_part
+from driftcheck.store.keys import key_string
+
+SEED = 3
+
+
+def _stats(t):
+    return tstats.to_dict(tstats.stats_vector(t).tolist())
+
+
+def _ranks(whole: torch.Tensor, phase: str, world: int, *, parallel: str, layout=None, dim=0):
+    """Each rank's stats-mode entry of its part of ``whole`` (its share, as record/parts.py
+    keeps it) and its sample."""
+    key = key_string(0, phase, "m", 0, "output" if phase == "forward" else "grad_input.0")
+    group, samples = [], []
+    for r, t in enumerate(whole.chunk(world, dim=dim)):
+        meta = {"layout": dict(layout, coord=[r])} if layout else {}
+        e = {"key": key, "phase": phase, "module": "m", "step": 0, "call": 0, "slot": key.split("/")[-1],
+             "shape": list(t.shape), "stats": _stats(t), "meta": meta}
+        if phase == "backward":
+            e["slot"] = "grad_input.0"
+        parts = Parts(r, world, parallel in ("ddp", "fsdp"), SEED)
+        got = parts.share_of(e, t, key)
+        if got is not None:
+            e["meta"]["part"] = dict(got[0], values=got[1].double().tolist())
+        group.append(e)
+        samples.append(tstats.sample_of(t, key, SEED))
+    return key, group, samples
+
+
+def _whole(group, expect, parallel):
+    return lambda ts: logical_tensor(group, ts, expect, parallel)[0]
+
+
+@pytest.mark.parametrize("parallel,layout,dim", [
+    ("ddp", None, 0),                                                        # a batch slice
+    ("fsdp", {"placements": ["S0"], "mesh": [2], "global_shape": [64, 48]}, 0),  # FSDP2 shard
+    ("tp", {"placements": ["S1"], "mesh": [2], "global_shape": [64, 48]}, 1),    # a colwise output
+    ("tp", None, 1),                                                         # outside the plan
+])
+def test_a_joined_part_is_the_single_process_entry(parallel, layout, dim):
+    whole = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+    key, group, samples = _ranks(whole, "forward", 2, parallel=parallel, layout=layout, dim=dim)
+    how = how_of(group, [64, 48], parallel)
+    assert how == ("batch" if parallel == "ddp" else "gathered")
+    shape, stats, sample, estimated = logical(group, samples, how, SEED, _whole(group, [64, 48], parallel))
+    assert shape == [64, 48] and not estimated
+    assert torch.equal(sample, tstats.sample_of(whole, key, SEED))  # the positions one process samples
+    single = _stats(whole)
+    for k in ("min", "max", "absmax", "nan", "inf", "numel"):
+        assert stats[k] == single[k], k
+    for k in ("mean", "std", "l2"):
+        assert stats[k] == pytest.approx(single[k], rel=1e-12, abs=1e-15), k
+
+
+def test_a_batch_gradient_is_divided_by_the_ranks_and_a_mean_is_estimated():
+    whole = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
+    key, group, samples = _ranks(whole, "backward", 2, parallel="ddp")
+    _, stats, sample, _ = logical(group, samples, "batch", SEED, _whole(group, [64, 48], "ddp"))
+    assert torch.equal(sample, tstats.sample_of(whole / 2, key, SEED))
+    assert stats["l2"] == pytest.approx(_stats(whole / 2)["l2"], rel=1e-12)
+    # a gradient every rank holds whole (a replicated input's): the mean of the same positions
+    a, b = torch.randn(64, 48), torch.randn(64, 48)
+    group = [dict(group[0], shape=[64, 48], meta={}), dict(group[1], shape=[64, 48], meta={})]
+    assert how_of(group, [64, 48], "ddp") == "mean"
+    _, stats, sample, estimated = logical(group, [tstats.sample_of(a, key, SEED), tstats.sample_of(b, key, SEED)],
+                                          "mean", SEED, _whole(group, [64, 48], "ddp"))
+    assert estimated and stats["numel"] == 64 * 48
+    assert torch.allclose(sample, tstats.sample_of((a + b) / 2, key, SEED), rtol=0, atol=1e-6)
+
+
+def test_small_parts_rebuild_the_tensor_itself():
+    whole = torch.randn(8, 48, generator=torch.Generator().manual_seed(2))  # 384 elements: sampled whole
+    key, group, samples = _ranks(whole, "forward", 2, parallel="ddp")
+    shape, stats, sample, _ = logical(group, samples, "batch", SEED, _whole(group, [8, 48], "ddp"))
+    assert shape == [8, 48] and torch.equal(sample, whole.reshape(-1)) and stats == _stats(whole)
+
+
+def test_what_cannot_be_rebuilt_is_one_line():
+    whole = torch.randn(64, 48)
+    _, group, samples = _ranks(whole, "forward", 2, parallel="ddp")
+    for e in group:
+        e["meta"].pop("part")
+    with pytest.raises(DriftcheckError, match="holds no share of the logical sample"):
+        logical(group, samples, "batch", SEED, _whole(group, [64, 48], "ddp"))
+    _, group, _ = _ranks(whole, "forward", 2, parallel="tp", dim=0)  # split along dim 0, not the last
+    with pytest.raises(DriftcheckError, match="not their part along the last dim"):
+        how_of(group, [64, 48], "tp")
+
+
+def test_parts_of_shards_and_combined_statistics():
+    assert dtensor_part({"placements": ["S0"], "mesh": [4], "coord": [3], "global_shape": [10, 2]}, [1, 2]) \
+        == ([10, 2], 0, 9)  # torch's chunks: 3, 3, 3, 1
+    assert dtensor_part({"placements": ["R"], "mesh": [2], "coord": [0], "global_shape": [4]}, [4]) is None
+    assert dtensor_part({"placements": ["S0", "S1"], "mesh": [2, 2], "coord": [0, 1], "global_shape": [4, 4]},
+                        [2, 2]) is None  # 2-D meshes: no part
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    b = torch.tensor([-2.0, float("inf")])
+    got, single = combined([_stats(a), _stats(b)]), _stats(torch.cat([a, b]))
+    assert {k: got[k] for k in ("min", "max", "nan", "inf", "numel")} == \
+        {k: single[k] for k in ("min", "max", "nan", "inf", "numel")}
+    assert got["mean"] == pytest.approx(single["mean"]) and got["std"] == pytest.approx(single["std"])
