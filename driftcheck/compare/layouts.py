@@ -52,6 +52,8 @@ from driftcheck.store.writer import TraceWriter
 
 _RMS_META = ("mag_rms", "norm_gain")  # rms over the elements or groups of a batch slice
 _MAX_META = ("norm_gain_max", "logit_absmax")
+_MEAN_SCALAR = ("{}: a scalar each rank computed from its part of the batch (a loss or a metric of the "
+                "model's own code): the ranks' mean is compared")
 _SUM_META = ("kink_profile", "decision_profile", "round_profile", "host_decisions")
 
 
@@ -165,6 +167,8 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
             t, how = logical_tensor(group, tensors, expect.get(e["key"]), parallel)  # type: ignore[arg-type]
             if how == "replicated-differs":
                 warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
+            elif how == "mean-scalar":
+                warnings.append(_MEAN_SCALAR.format(e["key"]))
             warnings += batch_statistics(e, how, warnings)
             writer.add(_entry(e, group, t, how, parallel), t.contiguous())
         run = {k: v for k, v in base.run.items() if k != "rank"}
@@ -182,12 +186,21 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
     if any(s is None for s in samples):
         raise DriftcheckError(f"{e['key']}: a rank's entry holds neither a tensor nor a sample")
     how = parts.how_of(group, expect, parallel)
-    shape, stats, sample, estimated = parts.logical(
-        group, samples, how, seed,  # type: ignore[arg-type]
-        lambda ts: logical_tensor(group, ts, expect, parallel)[0])
+    rebuilt: list[str] = []  # how the whole tensors rebuilt, where the samples are whole
+
+    def whole(ts: list[torch.Tensor]) -> torch.Tensor:
+        t, got = logical_tensor(group, ts, expect, parallel)
+        rebuilt.append(got)
+        return t
+
+    shape, stats, sample, estimated = parts.logical(group, samples, how, seed, whole)  # type: ignore[arg-type]
+    how = rebuilt[0] if rebuilt else how
     warnings = []
-    if how == "replicated" and not all(torch.equal(samples[0], s) for s in samples[1:]):  # type: ignore[arg-type]
+    if how == "replicated-differs" or (how == "replicated" and not all(
+            torch.equal(samples[0], s) for s in samples[1:])):  # type: ignore[arg-type]
         warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
+    elif how == "mean-scalar":
+        warnings.append(_MEAN_SCALAR.format(e["key"]))
     warnings += batch_statistics(e, how, warnings)
     entry = _entry(e, group, None, how, parallel, shape=shape, stats=stats)
     if estimated:
@@ -199,7 +212,8 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
 def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
                    expect: list[int] | None, parallel: str | None) -> tuple[torch.Tensor, str]:
     """The logical tensor of the ranks' ``tensors`` of one entry, and how it was rebuilt
-    (``gathered``, ``summed``, ``batch``, ``mean``, ``replicated``, ``replicated-differs``)."""
+    (``gathered``, ``summed``, ``batch``, ``mean``, ``mean-scalar``, ``replicated``,
+    ``replicated-differs``)."""
     layout = (entries[0].get("meta") or {}).get("layout")
     if layout:
         return _from_placements(entries, tensors), "summed" if layout["placements"] == ["P"] else "gathered"
@@ -212,6 +226,10 @@ def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
     elif expect is not None and list(tensors[0].shape) != list(expect):
         return _tp_part(entries[0]["key"], tensors, expect), "gathered"
     same = all(torch.equal(tensors[0], t) for t in tensors[1:])
+    if not same and parallel != "tp" and entries[0]["phase"] == "forward" and tensors[0].numel() == 1:
+        # a scalar each data-parallel rank computed from its part of the batch (a loss the
+        # model's own code computes: output.loss of a Hugging Face model): its mean, as the loss's
+        return _mean(tensors), "mean-scalar"
     return tensors[0], "replicated" if same else "replicated-differs"
 
 
@@ -299,7 +317,8 @@ def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor | Non
     out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist()) if t is not None else dict(stats or {})
     meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout", "part")}
     if len(group) > 1 and (how == "summed" or (  # a reduction across the ranks (allowances.py)
-            e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and parallel != "tp")):
+            e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and parallel != "tp")
+            or how == "mean-scalar"):
         meta["rank_split"] = len(group)
     if how == "batch":
         metas = [g.get("meta") or {} for g in group]

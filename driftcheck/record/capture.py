@@ -186,7 +186,7 @@ class Capture:
             entry["sample_key"] = sk
             if phase == "optimizer":
                 entry.setdefault("meta", {})["sampled_as"] = "params"
-        if self.parts is not None and data.is_floating_point() and phase != "loss" \
+        if self.parts is not None and not data.is_complex() and phase != "loss" \
                 and not self.selection.full(module):
             dev_meta = self._share(entry, data, sk, dev_meta)
         if summary is not None:  # (stats row, sample) taken earlier: only the sample is held

@@ -64,6 +64,17 @@ def test_a_joined_part_is_the_single_process_entry(parallel, layout, dim):
         assert stats[k] == pytest.approx(single[k], rel=1e-12, abs=1e-15), k
 
 
+def test_integer_inputs_join_too():
+    """Token ids of a batch, more than a sample's worth: their shares are kept as any tensor's."""
+    whole = torch.randint(0, 32000, (8, 128), generator=torch.Generator().manual_seed(4))
+    key, group, samples = _ranks(whole, "forward", 2, parallel="ddp")
+    assert all("part" in e["meta"] for e in group)
+    _, stats, sample, _ = logical(group, samples, how_of(group, [8, 128], "ddp"), SEED,
+                                  _whole(group, [8, 128], "ddp"))
+    assert sample.dtype == torch.int64 and torch.equal(sample, tstats.sample_of(whole, key, SEED))
+    assert stats["max"] == _stats(whole)["max"] and stats["numel"] == 1024
+
+
 def test_a_batch_gradient_is_divided_by_the_ranks_and_a_mean_is_estimated():
     whole = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
     key, group, samples = _ranks(whole, "backward", 2, parallel="ddp")

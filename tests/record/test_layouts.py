@@ -253,6 +253,12 @@ def test_logical_tensor_rules():
     t, how = logical_tensor([e("grads"), e("grads")], [a, b], [2, 3], "ddp")
     assert how == "mean" and torch.equal(t, (a + b) / 2)
     assert logical_tensor([e("params"), e("params")], [a, b], [2, 3], "ddp")[1] == "replicated-differs"
+    # a scalar the model's own code computed from each rank's part (output.loss): the ranks' mean
+    t, how = logical_tensor([e("forward"), e("forward")], [torch.tensor(2.0), torch.tensor(3.0)], [], "ddp")
+    assert how == "mean-scalar" and float(t) == 2.5
+    # under TP every rank ran the whole batch: a differing scalar is rank 0's, with a warning
+    assert logical_tensor([e("forward"), e("forward")], [torch.tensor(2.0), torch.tensor(3.0)], [], "tp")[1] \
+        == "replicated-differs"
     with pytest.raises(DriftcheckError, match="neither its batch slice"):
         logical_tensor([e("forward"), e("forward")], [a, b], [5, 3], "ddp")
     with pytest.raises(DriftcheckError, match="1-D meshes"):
