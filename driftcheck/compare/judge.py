@@ -160,10 +160,12 @@ class Judge:
         """Record what the entry passes on: its error relative to its scale (and absolute)."""
         a = r.align
         e_rms, e_max = m.get("rms", 0.0), m.get("max_abs", 0.0)
-        if how != "full":
+        if how != "full" and not (r.meta.get("stats_from_sample") or t.meta.get("stats_from_sample")):
             # What is passed on is at least the gap of the two runs' whole-tensor rms (absmax):
             # a sample can miss the few rows that carry the error (a Linear before a BatchNorm
-            # over two values, timm_levit in stats mode: its Adam moments at 27-422).
+            # over two values, timm_levit in stats mode: its Adam moments at 27-422). Not where a
+            # side's statistics are themselves estimated from its sample (a sum or mean over
+            # ranks, compare/parts.py): their gap is the estimate's, not the runs'.
             e_rms = max(e_rms, abs(rms_of(t.stats) - rms_of(r.stats)))
             e_max = max(e_max, abs((t.stats.get("absmax") or 0.0) - (r.stats.get("absmax") or 0.0)))
         errors = self.ledger.errors

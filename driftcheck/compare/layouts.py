@@ -185,16 +185,14 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
     samples = [r.tensor(g, "sample") for r, g in zip(readers, group)]
     if any(s is None for s in samples):
         raise DriftcheckError(f"{e['key']}: a rank's entry holds neither a tensor nor a sample")
-    how = parts.how_of(group, expect, parallel)
-    rebuilt: list[str] = []  # how the whole tensors rebuilt, where the samples are whole
-
-    def whole(ts: list[torch.Tensor]) -> torch.Tensor:
-        t, got = logical_tensor(group, ts, expect, parallel)
-        rebuilt.append(got)
-        return t
-
-    shape, stats, sample, estimated = parts.logical(group, samples, how, seed, whole)  # type: ignore[arg-type]
-    how = rebuilt[0] if rebuilt else how
+    if parts.whole(group, samples):  # type: ignore[arg-type]
+        t, how = logical_tensor(group, [s.reshape(g["shape"]) for s, g in zip(samples, group)],  # type: ignore[union-attr]
+                                expect, parallel)
+        shape, stats, sample = parts.of_tensor(e, t, seed)
+        estimated = False
+    else:
+        how = parts.how_of(group, expect, parallel)
+        shape, stats, sample, estimated = parts.logical(group, samples, how, seed)  # type: ignore[arg-type]
     warnings = []
     if how == "replicated-differs" or (how == "replicated" and not all(
             torch.equal(samples[0], s) for s in samples[1:])):  # type: ignore[arg-type]
@@ -226,7 +224,8 @@ def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
     elif expect is not None and list(tensors[0].shape) != list(expect):
         return _tp_part(entries[0]["key"], tensors, expect), "gathered"
     same = all(torch.equal(tensors[0], t) for t in tensors[1:])
-    if not same and parallel != "tp" and entries[0]["phase"] == "forward" and tensors[0].numel() == 1:
+    if not same and parallel != "tp" and entries[0]["phase"] == "forward" and tensors[0].numel() == 1 \
+            and tensors[0].is_floating_point():
         # a scalar each data-parallel rank computed from its part of the batch (a loss the
         # model's own code computes: output.loss of a Hugging Face model): its mean, as the loss's
         return _mean(tensors), "mean-scalar"

@@ -60,29 +60,42 @@ def how_of(group: list[Entry], expect: list[int] | None, parallel: str | None) -
     return "replicated"
 
 
-def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int,
-            whole: Any) -> tuple[list[int], dict[str, Any], torch.Tensor, bool]:
+def whole(group: list[Entry], samples: list[torch.Tensor]) -> bool:
+    """Whether every rank's sample is its whole tensor (at most 512 elements)."""
+    return all(s.numel() == math.prod(g["shape"]) for s, g in zip(samples, group))
+
+
+def of_tensor(e: Entry, t: torch.Tensor, seed: int) -> tuple[list[int], dict[str, Any], torch.Tensor]:
+    """(shape, statistics, sample) of the logical tensor ``t`` of entry ``e``, rebuilt whole."""
+    key = sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
+    return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, key, seed)
+
+
+def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
+            ) -> tuple[list[int], dict[str, Any], torch.Tensor, bool]:
     """(shape, statistics, sample, whether the statistics are estimated from the sample) of the
-    logical entry. ``whole(tensors)`` is layouts.logical_tensor's rebuilding of whole tensors."""
+    logical entry whose ranks' samples are not all whole (:func:`whole`, :func:`of_tensor`)."""
     e, n = group[0], len(group)
     key = sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
     dtype = samples[0].dtype
-    if all(s.numel() == math.prod(g["shape"]) for s, g in zip(samples, group)):
-        t = whole([s.reshape(g["shape"]) for s, g in zip(samples, group)])
-        return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, key, seed), False
     if how in ("gathered", "batch") and not ((e.get("meta") or {}).get("layout") or {}).get("placements") == ["R"]:
         parts = [(g.get("meta") or {}).get("part") for g in group]
         if any(p is None or "values" not in p for p in parts):
             raise DriftcheckError(f"{e['key']}: a rank's stats-mode entry holds no share of the logical "
-                                  "sample (recorded before driftcheck kept one); record again, or "
-                                  "with --mode full")
+                                  "sample (recorded before driftcheck kept one, or on a lazy or xla "
+                                  "device, which keeps none); record again, or with --mode full")
         shape = list(parts[0]["global_shape"])  # type: ignore[index]
         out = torch.full((tstats.SAMPLE_SIZE,), float("nan"), dtype=torch.float64)
         seen = torch.zeros(tstats.SAMPLE_SIZE, dtype=torch.bool)
-        for p in parts:
-            j = torch.tensor(p["j"], dtype=torch.long)  # type: ignore[index]
-            out[j] = torch.tensor(p["values"], dtype=torch.float64)  # type: ignore[index]
-            seen[j] = True
+        for p, g in zip(parts, group):
+            j, _ = tstats.part_positions(key, seed, list(p["global_shape"]), int(p["dim"]),  # type: ignore[index]
+                                         int(p["start"]), list(g["shape"]))  # type: ignore[index]
+            values = [float(v) for v in p["values"]]  # type: ignore[index]  # "nan", "inf": strings
+            if len(values) != len(j):
+                raise DriftcheckError(f"{e['key']}: a rank's share holds {len(values)} values where its "
+                                      f"part holds {len(j)} of the logical sample's positions")
+            out[torch.from_numpy(j)] = torch.tensor(values, dtype=torch.float64)
+            seen[torch.from_numpy(j)] = True
         if not bool(seen.all()):
             raise DriftcheckError(f"{e['key']}: the ranks' shares cover {int(seen.sum())} of the "
                                   f"logical sample's {tstats.SAMPLE_SIZE} positions: not one tensor's parts")
@@ -92,7 +105,10 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
     if how in ("summed", "mean"):
         total = torch.stack([s.double() for s in samples]).sum(0)
         sample = (total / n if how == "mean" else total).to(dtype)
-        return list(e["shape"]), estimated(sample, math.prod(e["shape"])), sample, True
+        stats = estimated(sample, math.prod(e["shape"]))
+        for k in ("nan", "inf"):  # a sum's or mean's non-finite elements: at least any rank's
+            stats[k] = max(stats[k], *(int(g["stats"].get(k) or 0) for g in group))
+        return list(e["shape"]), stats, sample, True
     return list(e["shape"]), dict(e["stats"]), samples[0], False
 
 
@@ -110,9 +126,10 @@ def combined(parts: list[dict[str, Any]], factor: float = 1.0) -> dict[str, Any]
         out.update({k: None for k in ("min", "max", "mean", "std", "absmax")}, l2=0.0)
         return out
     mean = sum(w * float(p["mean"]) for p, w in live) / c
-    sq = sum(w * (float(p["std"]) ** 2 + float(p["mean"]) ** 2) for p, w in live) / c
+    # each part's spread about the joint mean (no E[x^2] - mean^2: it cancels where |mean| >> std)
+    var = sum(w * (float(p["std"]) ** 2 + (float(p["mean"]) - mean) ** 2) for p, w in live) / c
     out.update(min=factor * min(float(p["min"]) for p, _ in live), max=factor * max(float(p["max"]) for p, _ in live),
-               mean=factor * mean, std=factor * math.sqrt(max(sq - mean * mean, 0.0)),
+               mean=factor * mean, std=factor * math.sqrt(var),
                absmax=factor * max(float(p["absmax"]) for p, _ in live),
                l2=factor * math.sqrt(sum(float(p.get("l2") or 0.0) ** 2 for p in parts)))
     return out

@@ -208,7 +208,9 @@ class Capture:
                dev_meta: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         """Meta ``part``: this rank's share of the logical sample (record/parts.py), its values
         gathered on the device and read back with the other device meta."""
-        got = self.parts.share_of(entry, data, skey) if self.parts is not None else None
+        if self.parts is None or (self.deferred and data.device.type in deferred.DEFERRED_TYPES):
+            return dev_meta  # lazy/xla: a gather here would be a graph per step and rank (none kept)
+        got = self.parts.share_of(entry, data, skey)
         if got is None:
             return dev_meta
         entry.setdefault("meta", {})["part"] = got[0]
@@ -337,7 +339,7 @@ def _apply_meta(pending: list[Pending], metas: list[tuple[int, str, torch.Tensor
             meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
             meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
         elif k == "part_sample":  # record/parts.py: this rank's share of the logical sample
-            pending[i].entry["meta"]["part"]["values"] = v
+            pending[i].entry["meta"]["part"]["values"] = [x if math.isfinite(x) else repr(x) for x in v]
         elif k == "logit_absmax":
             pending[i].entry.setdefault("meta", {})[k] = float(v[0])
         else:  # kink_profile: counts

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from driftcheck.numerics import stats as tstats
@@ -56,32 +55,19 @@ class Parts:
     def share_of(self, entry: dict[str, Any], data: torch.Tensor, skey: str
                  ) -> tuple[dict[str, Any], torch.Tensor] | None:
         """(meta ``part``, its values gathered from ``data`` on its device) of an entry, or None
-        where it has no part to share."""
+        where it has no part to share or the logical tensor is small enough to be sampled whole
+        (its parts are then whole in their own samples). Which positions the values are at,
+        compare computes again (numerics/stats.py ``part_positions``)."""
         part = self.of(entry["phase"], entry["shape"], (entry.get("meta") or {}).get("layout"))
-        got = self.share(skey, entry["shape"], part) if part is not None else None
-        if part is None or got is None:
+        if part is None or math.prod(part[0]) <= tstats.SAMPLE_SIZE or len(part[0]) != len(entry["shape"]):
             return None
-        j, idx = got
-        meta = {"global_shape": part[0], "dim": part[1], "start": part[2], "j": j.tolist()}
-        return meta, data.reshape(-1)[torch.from_numpy(idx).to(data.device)]
-
-    def share(self, key: str, shape: list[int], part: Part) -> tuple[np.ndarray, np.ndarray] | None:
-        """(j, local flat index): the logical sample's positions j (of ``sample_indices(key,
-        logical numel)``) that fall in this rank's part, and where they are in its tensor of
-        ``shape``; None where the logical tensor is small enough to be sampled whole (its parts
-        are then whole in their own samples)."""
-        logical, dim, start = part
-        n = math.prod(logical)
-        if n <= tstats.SAMPLE_SIZE or len(logical) != len(shape):
-            return None
-        flat = tstats.sample_indices(key, n, self.seed)
-        coords = np.unravel_index(flat, logical)
-        inside = (coords[dim] >= start) & (coords[dim] < start + shape[dim])
-        j = np.nonzero(inside)[0]
-        local = [c[j] for c in coords]
-        local[dim] = local[dim] - start
-        return j, np.ravel_multi_index(tuple(local), shape) if j.size else j
-
+        _, idx = tstats.part_positions(skey, self.seed, *part, entry["shape"])
+        index = torch.from_numpy(idx)
+        if data.device.type == "cuda":  # no stream sync: a pinned buffer, copied asynchronously
+            index = index.pin_memory().to(data.device, non_blocking=True)
+        elif data.device.type != "cpu":
+            index = index.to(data.device)
+        return {"global_shape": part[0], "dim": part[1], "start": part[2]}, data.reshape(-1)[index]
 
 def dtensor_layout(t: Any) -> dict[str, Any]:
     """How a DTensor's local shard maps to the logical tensor (meta ``layout``), from its own

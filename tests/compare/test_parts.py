@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftcheck.compare.layouts import logical_tensor
-from driftcheck.compare.parts import combined, how_of, logical
+from driftcheck.compare.layouts import logical_trace, logical_tensor
+from driftcheck.compare.parts import combined, how_of, logical, of_tensor
+from driftcheck.compare.parts import whole as all_whole
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
 from driftcheck.record.parts import Parts, dtensor_part
@@ -39,10 +40,6 @@ def _ranks(whole: torch.Tensor, phase: str, world: int, *, parallel: str, layout
     return key, group, samples
 
 
-def _whole(group, expect, parallel):
-    return lambda ts: logical_tensor(group, ts, expect, parallel)[0]
-
-
 @pytest.mark.parametrize("parallel,layout,dim", [
     ("ddp", None, 0),                                                        # a batch slice
     ("fsdp", {"placements": ["S0"], "mesh": [2], "global_shape": [64, 48]}, 0),  # FSDP2 shard
@@ -54,7 +51,8 @@ def test_a_joined_part_is_the_single_process_entry(parallel, layout, dim):
     key, group, samples = _ranks(whole, "forward", 2, parallel=parallel, layout=layout, dim=dim)
     how = how_of(group, [64, 48], parallel)
     assert how == ("batch" if parallel == "ddp" else "gathered")
-    shape, stats, sample, estimated = logical(group, samples, how, SEED, _whole(group, [64, 48], parallel))
+    assert not all_whole(group, samples)
+    shape, stats, sample, estimated = logical(group, samples, how, SEED)
     assert shape == [64, 48] and not estimated
     assert torch.equal(sample, tstats.sample_of(whole, key, SEED))  # the positions one process samples
     single = _stats(whole)
@@ -69,8 +67,7 @@ def test_integer_inputs_join_too():
     whole = torch.randint(0, 32000, (8, 128), generator=torch.Generator().manual_seed(4))
     key, group, samples = _ranks(whole, "forward", 2, parallel="ddp")
     assert all("part" in e["meta"] for e in group)
-    _, stats, sample, _ = logical(group, samples, how_of(group, [8, 128], "ddp"), SEED,
-                                  _whole(group, [8, 128], "ddp"))
+    _, stats, sample, _ = logical(group, samples, how_of(group, [8, 128], "ddp"), SEED)
     assert sample.dtype == torch.int64 and torch.equal(sample, tstats.sample_of(whole, key, SEED))
     assert stats["max"] == _stats(whole)["max"] and stats["numel"] == 1024
 
@@ -78,7 +75,7 @@ def test_integer_inputs_join_too():
 def test_a_batch_gradient_is_divided_by_the_ranks_and_a_mean_is_estimated():
     whole = torch.randn(64, 48, generator=torch.Generator().manual_seed(1))
     key, group, samples = _ranks(whole, "backward", 2, parallel="ddp")
-    _, stats, sample, _ = logical(group, samples, "batch", SEED, _whole(group, [64, 48], "ddp"))
+    _, stats, sample, _ = logical(group, samples, "batch", SEED)
     assert torch.equal(sample, tstats.sample_of(whole / 2, key, SEED))
     assert stats["l2"] == pytest.approx(_stats(whole / 2)["l2"], rel=1e-12)
     # a gradient every rank holds whole (a replicated input's): the mean of the same positions
@@ -86,16 +83,18 @@ def test_a_batch_gradient_is_divided_by_the_ranks_and_a_mean_is_estimated():
     group = [dict(group[0], shape=[64, 48], meta={}), dict(group[1], shape=[64, 48], meta={})]
     assert how_of(group, [64, 48], "ddp") == "mean"
     _, stats, sample, estimated = logical(group, [tstats.sample_of(a, key, SEED), tstats.sample_of(b, key, SEED)],
-                                          "mean", SEED, _whole(group, [64, 48], "ddp"))
+                                          "mean", SEED)
     assert estimated and stats["numel"] == 64 * 48
     assert torch.allclose(sample, tstats.sample_of((a + b) / 2, key, SEED), rtol=0, atol=1e-6)
 
 
 def test_small_parts_rebuild_the_tensor_itself():
-    whole = torch.randn(8, 48, generator=torch.Generator().manual_seed(2))  # 384 elements: sampled whole
-    key, group, samples = _ranks(whole, "forward", 2, parallel="ddp")
-    shape, stats, sample, _ = logical(group, samples, "batch", SEED, _whole(group, [8, 48], "ddp"))
-    assert shape == [8, 48] and torch.equal(sample, whole.reshape(-1)) and stats == _stats(whole)
+    full = torch.randn(8, 48, generator=torch.Generator().manual_seed(2))  # 384 elements: sampled whole
+    key, group, samples = _ranks(full, "forward", 2, parallel="ddp")
+    assert all_whole(group, samples)
+    t, how = logical_tensor(group, [s.reshape(g["shape"]) for s, g in zip(samples, group)], [8, 48], "ddp")
+    shape, stats, sample = of_tensor(group[0], t, SEED)
+    assert how == "batch" and shape == [8, 48] and torch.equal(sample, full.reshape(-1)) and stats == _stats(full)
 
 
 def test_what_cannot_be_rebuilt_is_one_line():
@@ -104,7 +103,7 @@ def test_what_cannot_be_rebuilt_is_one_line():
     for e in group:
         e["meta"].pop("part")
     with pytest.raises(DriftcheckError, match="holds no share of the logical sample"):
-        logical(group, samples, "batch", SEED, _whole(group, [64, 48], "ddp"))
+        logical(group, samples, "batch", SEED)
     _, group, _ = _ranks(whole, "forward", 2, parallel="tp", dim=0)  # split along dim 0, not the last
     with pytest.raises(DriftcheckError, match="not their part along the last dim"):
         how_of(group, [64, 48], "tp")
@@ -122,3 +121,53 @@ def test_parts_of_shards_and_combined_statistics():
     assert {k: got[k] for k in ("min", "max", "nan", "inf", "numel")} == \
         {k: single[k] for k in ("min", "max", "nan", "inf", "numel")}
     assert got["mean"] == pytest.approx(single["mean"]) and got["std"] == pytest.approx(single["std"])
+
+
+class _Pending:
+    def __init__(self, entry):
+        self.entry = entry
+
+
+def _rank_traces(root, whole_tensor, world, *, parallel, dim, nonfinite=False):
+    """Rank traces (stats mode, as torchrun writes them) of one forward entry of ``whole_tensor``
+    split along ``dim``, through the writer and the manifest (JSON) as a record's are."""
+    from driftcheck.record.capture import _apply_meta
+    from driftcheck.store.writer import TraceWriter
+
+    key, group, samples = _ranks(whole_tensor, "forward", world, parallel=parallel, dim=dim)
+    dirs = {}
+    for r, (e, smp) in enumerate(zip(group, samples)):
+        if "part" in e["meta"]:  # the values as the capture writes them into the manifest
+            vals = e["meta"]["part"].pop("values")
+            _apply_meta([_Pending(e)], [(0, "part_sample", torch.tensor(vals))], vals)
+        dirs[r] = root / f"rank-{r}"
+        with TraceWriter(dirs[r]) as w:
+            w.add(dict(e, dtype="float32", order=0), None, sample=smp)
+            w.close({"mode": "stats", "seed": SEED, "rank": r, "world_size": world, "parallel": parallel})
+    return key, dirs
+
+
+def test_nonfinite_shares_survive_the_manifest(tmp_path):
+    from driftcheck.store.reader import TraceReader
+
+    full = torch.randn(64, 48, generator=torch.Generator().manual_seed(5))
+    full[10, 3], full[50, 7], full[40, 1] = float("nan"), float("inf"), float("-inf")
+    key, dirs = _rank_traces(tmp_path, full, 2, parallel="ddp", dim=0)
+    logical_trace(dirs, tmp_path / "logical", {key: [64, 48]})
+    r = TraceReader(tmp_path / "logical")
+    e = r.entries[0]
+    got, want = r.tensor(e, "sample"), tstats.sample_of(full, key, SEED)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert (e["stats"]["nan"], e["stats"]["inf"], e["stats"]["numel"]) == (1, 2, 3072)
+
+
+def test_a_small_tensor_parallel_activation_is_rebuilt_whole(tmp_path):
+    """A TP activation outside the plan whose logical tensor is small: no share is kept (its
+    parts are whole in their samples), and it is rebuilt as full mode does, not refused."""
+    from driftcheck.store.reader import TraceReader
+
+    full = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
+    key, dirs = _rank_traces(tmp_path, full, 2, parallel="tp", dim=1)
+    logical_trace(dirs, tmp_path / "logical", {key: [4, 64]})
+    e = TraceReader(tmp_path / "logical").entries[0]
+    assert e["shape"] == [4, 64] and e["stats"] == _stats(full)

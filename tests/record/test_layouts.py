@@ -163,7 +163,7 @@ def test_stats_mode_a_2_rank_ddp_fp32_target_rebuilds_the_single_process_samples
     x = next(e for e in r1.entries if e["key"] == "0/forward/3/0/output")  # (32, 64) of (64, 64)
     part = x["meta"]["part"]
     assert part["global_shape"] == [64, 64] and (part["dim"], part["start"]) == (0, 32)
-    assert 0 < len(part["j"]) == len(part["values"]) < 512
+    assert 0 < len(part["values"]) < 512  # its share of the 512 logical positions
     report = compare_ranks(stats_runs / "ref", stats_runs / "ddp")
     assert report.verdict == "pass", report.decided_by
     assert report.target["layout"] == "logical" and report.target["world_size"] == 2
