@@ -64,10 +64,7 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
     says ``world_size`` and ``layout: "logical"``; warnings of the rebuilding come first."""
     from driftcheck.compare import compare
 
-    if kwargs.get("truth") is not None:
-        raise DriftcheckError("--truth across layouts (a single trace against a multi-rank run, "
-                              "or runs of different ranks) is not supported; compare without --truth")
-    kwargs.pop("truth", None)
+    truth = kwargs.pop("truth", None)
     dirs = [rank_dirs(ref), rank_dirs(target)]
     firsts = [TraceReader(d[min(d)] if d else side) for d, side in zip(dirs, (ref, target))]
     expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp")
@@ -85,7 +82,11 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
                 warnings += logical_trace(d, paths[-1], expect)
             else:
                 paths.append(Path(side))
-        report = compare(str(paths[0]), str(paths[1]), **kwargs)
+        if truth is not None and rank_dirs(truth):  # a multi-rank truth: rebuilt as the others
+            warnings += logical_trace(rank_dirs(truth), Path(tmp) / "truth", expect)
+            truth = Path(tmp) / "truth"
+        report = compare(str(paths[0]), str(paths[1]), truth=str(truth) if truth is not None else None,
+                         **kwargs)
     if dirs[0]:
         report.reference = dict(report.reference, world_size=len(dirs[0]), layout="logical")
     if dirs[1]:

@@ -118,6 +118,23 @@ def test_a_2_rank_reference_against_a_single_process_target_passes(runs):
     assert report.reference["layout"] == "logical" and report.target.get("layout") is None
 
 
+def test_a_float64_truth_across_layouts(runs, tmp_path):
+    """--truth with a single-process reference and a 2-rank target: a float64 truth of one process,
+    or of 2 ranks (rebuilt into its logical trace as the others are)."""
+    (tmp_path / "sc.py").write_text(SCENARIO)
+    _record(tmp_path, "--out", str(tmp_path / "truth"), "--replay", str(runs / "ref"), "--dtype", "fp64")
+    _record(tmp_path, "--out", str(tmp_path / "truth2"), "--replay", str(runs / "ref"), "--dtype", "fp64",
+            "--parallel", "ddp", ranks=2)
+    for truth in ("truth", "truth2"):
+        report = compare_ranks(runs / "ref", runs / "fsdp-bf16", truth=str(tmp_path / truth))
+        assert report.verdict == "pass" and report.truth, (truth, report.decided_by)
+        report = compare_ranks(runs / "ref", runs / "fsdp-fault", truth=str(tmp_path / truth))
+        assert report.verdict == "fail" and report.first_divergence["module"] == "2", report.first_divergence
+        # the truth judged the target: the fault's entry was measured against the float64 run
+        out = next(e for e in report.entries if e.key == "0/forward/2/0/output")
+        assert "truth" in out.details and out.details["truth"]["ratio"] > 3.5, out.details.get("truth")
+
+
 def test_ddp_against_fsdp2_and_2_ranks_against_4_are_judged_as_one(runs):
     assert not different_layouts(runs / "ref2", runs / "ref2")  # same layout: rank by rank
     assert different_layouts(runs / "ref2", runs / "fsdp-of-ddp") and different_layouts(runs / "ref2", runs / "ddp4")
