@@ -37,6 +37,9 @@ def how_of(group: list[Entry], expect: list[int] | None, parallel: str | None) -
     e, n = group[0], len(group)
     layout = (e.get("meta") or {}).get("layout")
     if layout:
+        if len(layout.get("mesh") or []) != 1:
+            raise DriftcheckError(f"{e['key']}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
+                                  "1-D meshes (FSDP2, TP) are rebuilt so far")
         return "summed" if layout["placements"] == ["P"] else "gathered"
     shape = list(e["shape"])
     if parallel != "tp":

@@ -104,6 +104,10 @@ def test_what_cannot_be_rebuilt_is_one_line():
         e["meta"].pop("part")
     with pytest.raises(DriftcheckError, match="holds no share of the logical sample"):
         logical(group, samples, "batch", SEED)
+    mesh2 = {"placements": ["S0", "S1"], "mesh": [2, 2], "global_shape": [64, 48]}
+    _, group, _ = _ranks(whole, "forward", 2, parallel="fsdp", layout=mesh2)
+    with pytest.raises(DriftcheckError, match="only 1-D meshes"):  # as full mode says it
+        how_of(group, [64, 48], "fsdp")
     _, group, _ = _ranks(whole, "forward", 2, parallel="tp", dim=0)  # split along dim 0, not the last
     with pytest.raises(DriftcheckError, match="not their part along the last dim"):
         how_of(group, [64, 48], "tp")
