@@ -70,8 +70,7 @@ def whole(group: list[Entry], samples: list[torch.Tensor]) -> bool:
 
 def of_tensor(e: Entry, t: torch.Tensor, seed: int) -> tuple[list[int], dict[str, Any], torch.Tensor]:
     """(shape, statistics, sample) of the logical tensor ``t`` of entry ``e``, rebuilt whole."""
-    key = sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
-    return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, key, seed)
+    return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, _sample_key(e), seed)
 
 
 def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
@@ -79,7 +78,7 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
     """(shape, statistics, sample, whether the statistics are estimated from the sample) of the
     logical entry whose ranks' samples are not all whole (:func:`whole`, :func:`of_tensor`)."""
     e, n = group[0], len(group)
-    key = sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
+    key = _sample_key(e)
     dtype = samples[0].dtype
     if how in ("gathered", "batch") and not ((e.get("meta") or {}).get("layout") or {}).get("placements") == ["R"]:
         parts = [(g.get("meta") or {}).get("part") for g in group]
@@ -113,6 +112,11 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
             stats[k] = max(stats[k], *(int(g["stats"].get(k) or 0) for g in group))
         return list(e["shape"]), stats, sample, True
     return list(e["shape"]), dict(e["stats"]), samples[0], False
+
+
+def _sample_key(e: Entry) -> str:
+    """The key whose seeded positions the entry's sample holds (store/keys.py ``sample_key``)."""
+    return sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
 
 
 def combined(parts: list[dict[str, Any]], factor: float = 1.0) -> dict[str, Any]:
