@@ -192,8 +192,8 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
         shape, stats, sample = parts.of_tensor(e, t, seed)
         estimated = False
     else:
-        how = parts.how_of(group, expect, parallel)
-        shape, stats, sample, estimated = parts.logical(group, samples, how, seed)  # type: ignore[arg-type]
+        how = how_of(group, [g["shape"] for g in group], expect, parallel)
+        shape, stats, sample, estimated = parts.logical(group, samples, how, seed, expect)  # type: ignore[arg-type]
     warnings = []
     if how == "replicated-differs" or (how == "replicated" and not all(
             torch.equal(samples[0], s) for s in samples[1:])):  # type: ignore[arg-type]
@@ -208,22 +208,55 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
     return warnings
 
 
+def how_of(entries: list[dict[str, Any]], shapes: list[list[int]], expect: list[int] | None,
+           parallel: str | None) -> str:
+    """How the ranks' entries of one key (their tensors of ``shapes``) make the logical one, from
+    layout and shapes alone, in either mode: ``gathered`` (shards, or a tensor-parallel part),
+    ``summed``, ``batch``, ``mean`` or ``replicated`` (which ``logical_tensor`` then tells apart
+    by value)."""
+    e, n, shape = entries[0], len(entries), list(shapes[0])
+    layout = (e.get("meta") or {}).get("layout")
+    if layout:
+        if len(layout.get("mesh") or []) != 1:
+            raise DriftcheckError(f"{e['key']}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
+                                  "1-D meshes (FSDP2, TP) are rebuilt so far")
+        return "summed" if layout["placements"] == ["P"] else "gathered"
+    # A tensor-parallel rank ran the whole batch: what is not a shard is replicated (the loss
+    # too), or a part along one dim (_tp_dim). A data-parallel rank ran its part of the batch.
+    if parallel == "tp":
+        if expect is not None and shape != list(expect):
+            _tp_dim(e["key"], shape, n, expect)
+            return "gathered"
+        return "replicated"
+    phase = e["phase"]
+    if phase == "loss" or (phase == "grads" and parallel == "ddp"):
+        return "mean"
+    if phase in ("forward", "backward"):
+        if expect is not None and n > 1 and shape and [shape[0] * n, *shape[1:]] == list(expect):
+            return "batch"
+        if expect is not None and shape != list(expect):
+            raise DriftcheckError(f"{e['key']}: the ranks hold shape {shape}, the other side "
+                                  f"{list(expect)}: neither its batch slice (dim 0) nor the whole tensor")
+        if phase == "backward":
+            return "mean"
+    return "replicated"
+
+
 def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
                    expect: list[int] | None, parallel: str | None) -> tuple[torch.Tensor, str]:
     """The logical tensor of the ranks' ``tensors`` of one entry, and how it was rebuilt
-    (``gathered``, ``summed``, ``batch``, ``mean``, ``mean-scalar``, ``replicated``,
-    ``replicated-differs``)."""
-    layout = (entries[0].get("meta") or {}).get("layout")
-    if layout:
-        return _from_placements(entries, tensors), "summed" if layout["placements"] == ["P"] else "gathered"
-    # A tensor-parallel rank ran the whole batch: what is not a shard is replicated (the loss
-    # too). A data-parallel rank ran its part of the batch:
-    if parallel != "tp":
-        split = _batch_part(entries, tensors, expect, parallel)
-        if split is not None:
-            return split
-    elif expect is not None and list(tensors[0].shape) != list(expect):
-        return _tp_part(entries[0]["key"], tensors, expect), "gathered"
+    (``how_of``; a replicated one as ``replicated``, ``replicated-differs`` or ``mean-scalar``)."""
+    how = how_of(entries, [list(t.shape) for t in tensors], expect, parallel)
+    n = len(tensors)
+    if how in ("gathered", "summed"):
+        if (entries[0].get("meta") or {}).get("layout"):
+            return _from_placements(entries, tensors), how
+        return torch.cat(tensors, dim=_tp_dim(entries[0]["key"], list(tensors[0].shape), n, expect)), how  # type: ignore[arg-type]
+    if how == "batch":
+        t = torch.cat(tensors, dim=0)
+        return (_scaled(t, 1 / n) if entries[0]["phase"] == "backward" else t), how
+    if how == "mean":
+        return _mean(tensors), how
     same = all(torch.equal(tensors[0], t) for t in tensors[1:])
     if not same and parallel != "tp" and entries[0]["phase"] == "forward" and tensors[0].numel() == 1 \
             and tensors[0].is_floating_point():
@@ -233,48 +266,20 @@ def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
     return tensors[0], "replicated" if same else "replicated-differs"
 
 
-def _tp_part(key: str, tensors: list[torch.Tensor], expect: list[int]) -> torch.Tensor:
-    """The parts of a tensor-parallel activation without a layout (a module outside the plan
-    computed it from local shards): joined in rank order along the one dim whose size is the
-    ranks' part of the logical one."""
-    shape, n = list(tensors[0].shape), len(tensors)
+def _tp_dim(key: str, shape: list[int], n: int, expect: list[int]) -> int:
+    """The dim along which the ranks' parts of a tensor-parallel activation without a layout (a
+    module outside the plan computed it from local shards) join, in rank order: the one dim
+    whose size is the ranks' part of the logical one."""
     dims = [d for d in range(len(shape)) if len(shape) == len(expect) and shape[d] != expect[d]]
     if len(dims) != 1 or shape[dims[0]] * n != expect[dims[0]]:
         raise DriftcheckError(f"{key}: the tensor-parallel ranks hold shape {shape}, the other side "
                               f"{list(expect)}: neither the whole tensor nor its part along one dim")
-    return torch.cat(tensors, dim=dims[0])
-
-
-def _batch_part(entries: list[dict[str, Any]], tensors: list[torch.Tensor], expect: list[int] | None,
-                parallel: str | None) -> tuple[torch.Tensor, str] | None:
-    """A data-parallel entry's logical tensor (the loss and DDP's gradients: the mean; a batch
-    slice: joined), or None where it is replicated."""
-    phase, n = entries[0]["phase"], len(tensors)
-    if phase == "loss":
-        return _mean(tensors), "mean"
-    if phase == "grads" and parallel == "ddp":
-        return _mean(tensors), "mean"
-    if phase in ("forward", "backward"):
-        shape = list(tensors[0].shape)
-        joined = [shape[0] * n, *shape[1:]] if shape else None
-        if expect is not None and joined == list(expect) and n > 1:
-            t = torch.cat(tensors, dim=0)
-            return (_scaled(t, 1 / n) if phase == "backward" else t), "batch"
-        if expect is not None and shape != list(expect):
-            raise DriftcheckError(f"{entries[0]['key']}: the ranks hold shape {shape}, the single "
-                                  f"trace {list(expect)}: neither its batch slice (dim 0) nor the "
-                                  "whole tensor")
-        if phase == "backward":
-            return _mean(tensors), "mean"
-    return None
+    return dims[0]
 
 
 def _from_placements(entries: list[dict[str, Any]], tensors: list[torch.Tensor]) -> torch.Tensor:
     layout = entries[0]["meta"]["layout"]
     key = entries[0]["key"]
-    if len(layout.get("mesh") or []) != 1:
-        raise DriftcheckError(f"{key}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
-                              "1-D meshes (FSDP2, TP) are rebuilt so far")
     coords = [(e.get("meta") or {}).get("layout", {}).get("coord") for e in entries]
     order = sorted(range(len(tensors)), key=lambda i: coords[i][0] if coords[i] else i)
     place = layout["placements"][0]

@@ -30,39 +30,6 @@ from driftcheck.store.keys import sample_key
 Entry = dict[str, Any]
 
 
-def how_of(group: list[Entry], expect: list[int] | None, parallel: str | None) -> str:
-    """How the ranks' entries of one key make the logical one, from their shapes and layout only
-    (the rules of layouts.logical_tensor): ``gathered``, ``summed``, ``batch``, ``mean`` or
-    ``replicated``."""
-    e, n = group[0], len(group)
-    layout = (e.get("meta") or {}).get("layout")
-    if layout:
-        if len(layout.get("mesh") or []) != 1:
-            raise DriftcheckError(f"{e['key']}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
-                                  "1-D meshes (FSDP2, TP) are rebuilt so far")
-        return "summed" if layout["placements"] == ["P"] else "gathered"
-    shape = list(e["shape"])
-    if parallel != "tp":
-        if e["phase"] == "loss" or (e["phase"] == "grads" and parallel == "ddp"):
-            return "mean"
-        if e["phase"] in ("forward", "backward"):
-            if expect is not None and n > 1 and shape and [shape[0] * n, *shape[1:]] == list(expect):
-                return "batch"
-            if expect is not None and shape != list(expect):
-                raise DriftcheckError(f"{e['key']}: the ranks hold shape {shape}, the other side "
-                                      f"{list(expect)}: neither its batch slice (dim 0) nor the whole tensor")
-            if e["phase"] == "backward":
-                return "mean"
-    elif expect is not None and shape != list(expect):
-        part = (e.get("meta") or {}).get("part")
-        if part is None or list(part["global_shape"]) != list(expect):
-            raise DriftcheckError(f"{e['key']}: the tensor-parallel ranks hold shape {shape}, the other "
-                                  f"side {list(expect)}: not their part along the last dim, which is "
-                                  "all a stats-mode record keeps of it; record with --mode full")
-        return "gathered"  # an activation outside the plan, its part along the last dim
-    return "replicated"
-
-
 def whole(group: list[Entry], samples: list[torch.Tensor]) -> bool:
     """Whether every rank's sample is its whole tensor (at most 512 elements)."""
     return all(s.numel() == math.prod(g["shape"]) for s, g in zip(samples, group))
@@ -73,10 +40,11 @@ def of_tensor(e: Entry, t: torch.Tensor, seed: int) -> tuple[list[int], dict[str
     return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, _sample_key(e), seed)
 
 
-def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
-            ) -> tuple[list[int], dict[str, Any], torch.Tensor, bool]:
+def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int,
+            expect: list[int] | None = None) -> tuple[list[int], dict[str, Any], torch.Tensor, bool]:
     """(shape, statistics, sample, whether the statistics are estimated from the sample) of the
-    logical entry whose ranks' samples are not all whole (:func:`whole`, :func:`of_tensor`)."""
+    logical entry whose ranks' samples are not all whole (:func:`whole`, :func:`of_tensor`), ``how``
+    as compare/layouts.py ``how_of`` says; ``expect``: the other side's shape, if known."""
     e, n = group[0], len(group)
     key = _sample_key(e)
     dtype = samples[0].dtype
@@ -87,6 +55,10 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
                                   "sample (recorded before driftcheck kept one, or on a lazy or xla "
                                   "device, which keeps none); record again, or with --mode full")
         shape = list(parts[0]["global_shape"])  # type: ignore[index]
+        if expect is not None and shape != list(expect):  # a part along another dim than the kept one
+            raise DriftcheckError(f"{e['key']}: the ranks hold parts of shape {shape}, the other side "
+                                  f"{list(expect)}: not their part along the dim a stats-mode record "
+                                  "keeps (a tensor-parallel activation's: the last); record with --mode full")
         out = torch.full((tstats.SAMPLE_SIZE,), float("nan"), dtype=torch.float64)
         seen = torch.zeros(tstats.SAMPLE_SIZE, dtype=torch.bool)
         for p, g in zip(parts, group):

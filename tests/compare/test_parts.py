@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftcheck.compare.layouts import logical_trace, logical_tensor
-from driftcheck.compare.parts import combined, how_of, logical, of_tensor
+from driftcheck.compare.layouts import how_of, logical_trace, logical_tensor
+from driftcheck.compare.parts import combined, logical, of_tensor
 from driftcheck.compare.parts import whole as all_whole
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
@@ -49,7 +49,7 @@ def _ranks(whole: torch.Tensor, phase: str, world: int, *, parallel: str, layout
 def test_a_joined_part_is_the_single_process_entry(parallel, layout, dim):
     whole = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
     key, group, samples = _ranks(whole, "forward", 2, parallel=parallel, layout=layout, dim=dim)
-    how = how_of(group, [64, 48], parallel)
+    how = how_of(group, [g["shape"] for g in group], [64, 48], parallel)
     assert how == ("batch" if parallel == "ddp" else "gathered")
     assert not all_whole(group, samples)
     shape, stats, sample, estimated = logical(group, samples, how, SEED)
@@ -67,7 +67,7 @@ def test_integer_inputs_join_too():
     whole = torch.randint(0, 32000, (8, 128), generator=torch.Generator().manual_seed(4))
     key, group, samples = _ranks(whole, "forward", 2, parallel="ddp")
     assert all("part" in e["meta"] for e in group)
-    _, stats, sample, _ = logical(group, samples, how_of(group, [8, 128], "ddp"), SEED)
+    _, stats, sample, _ = logical(group, samples, how_of(group, [g["shape"] for g in group], [8, 128], "ddp"), SEED)
     assert sample.dtype == torch.int64 and torch.equal(sample, tstats.sample_of(whole, key, SEED))
     assert stats["max"] == _stats(whole)["max"] and stats["numel"] == 1024
 
@@ -81,7 +81,7 @@ def test_a_batch_gradient_is_divided_by_the_ranks_and_a_mean_is_estimated():
     # a gradient every rank holds whole (a replicated input's): the mean of the same positions
     a, b = torch.randn(64, 48), torch.randn(64, 48)
     group = [dict(group[0], shape=[64, 48], meta={}), dict(group[1], shape=[64, 48], meta={})]
-    assert how_of(group, [64, 48], "ddp") == "mean"
+    assert how_of(group, [g["shape"] for g in group], [64, 48], "ddp") == "mean"
     _, stats, sample, estimated = logical(group, [tstats.sample_of(a, key, SEED), tstats.sample_of(b, key, SEED)],
                                           "mean", SEED)
     assert estimated and stats["numel"] == 64 * 48
@@ -107,10 +107,11 @@ def test_what_cannot_be_rebuilt_is_one_line():
     mesh2 = {"placements": ["S0", "S1"], "mesh": [2, 2], "global_shape": [64, 48]}
     _, group, _ = _ranks(whole, "forward", 2, parallel="fsdp", layout=mesh2)
     with pytest.raises(DriftcheckError, match="only 1-D meshes"):  # as full mode says it
-        how_of(group, [64, 48], "fsdp")
-    _, group, _ = _ranks(whole, "forward", 2, parallel="tp", dim=0)  # split along dim 0, not the last
-    with pytest.raises(DriftcheckError, match="not their part along the last dim"):
-        how_of(group, [64, 48], "tp")
+        how_of(group, [g["shape"] for g in group], [64, 48], "fsdp")
+    _, group, samples = _ranks(whole, "forward", 2, parallel="tp", dim=0)  # split along dim 0, not the last
+    how = how_of(group, [g["shape"] for g in group], [64, 48], "tp")  # a part along dim 0, by shape
+    with pytest.raises(DriftcheckError, match="not their part along the dim a stats-mode record keeps"):
+        logical(group, samples, how, SEED, [64, 48])
 
 
 def test_parts_of_shards_and_combined_statistics():
