@@ -363,3 +363,29 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
     else:
         cols += [nanv, nanv]
     return list(torch.stack(cols, dim=1).unbind(0)), samples
+
+
+def warm(device: torch.device, params: list[torch.Tensor]) -> None:
+    """Load (or compile) now the compiled kernels a record on the host calls, for the dtypes of
+    ``params`` (float32/float64) and float32 (the loss, fp32 state), where a parameter has at
+    least BIG elements: then its captures take the kernels in the first step, which would pay
+    for it (numba's first call of a kernel per argument type loads it from the disk cache, ~0.5 s
+    for the first with numba's own set-up, or compiles it: seconds). Nothing off the host or
+    for a small model (no numba import). Tiny arrays of the callers' types (record/meta.py
+    ``_col_sumsq``, record/watch.py ``_weighted_absmax``, the functions above)."""
+    if device.type != "cpu" or not any(p.numel() >= BIG for p in params):
+        return
+    dtypes = {p.dtype for p in params}
+    kernels = _kernels()
+    for dtype in sorted({torch.float32} | (set(dtypes) & set(_HOST_DTYPES)), key=str):
+        t = torch.linspace(-1.0, 1.0, 2 * SAMPLE_SIZE, dtype=dtype)
+        large_row(t)
+        large_row(t, into=torch.empty_like(t))
+        large_sample(t, "warm", 0)
+        HostSummaries(0).take(t, "warm")
+        x = kernels.flat_view(t)
+        kernels.segment_stats(kernels.host_array(t), np.asarray([t.numel()], dtype=np.int64),
+                              np.empty((1, len(FIELDS)), dtype=np.float64))
+        kernels.col_sumsq(x, 16, np.empty(16, dtype=np.float64))
+        kernels.weighted_absmax(x, 64, 40.0)
+    _flat_sample_indices(["warm"], [2 * SAMPLE_SIZE], np.zeros(1, dtype=np.int64), 0)

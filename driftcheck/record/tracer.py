@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from driftcheck.errors import DriftcheckError
-from driftcheck.numerics import dtypes
+from driftcheck.numerics import dtypes, stats as tstats
 from driftcheck.record import compilation, ranks, taps
 from driftcheck.record.aliases import alias_groups
 from driftcheck.record.audits import NormAudit
@@ -59,8 +59,7 @@ class Tracer:
     - ``tap_grads`` / ``graph_taps`` (record/tapping.py): calls inside a compiled graph.
 
     Args:
-        model: the module to trace (hooks go on every submodule).
-        writer: where captures go.
+        model: the module to trace (hooks go on every submodule). writer: where captures go.
         config: what is captured (record/config.py ``CaptureConfig``); or its fields as keyword
             arguments: mode, include, exclude, full_modules, phases, steps, transfer, seed,
             audits, view_audit, max_pending_bytes, root_output_grads.
@@ -226,6 +225,7 @@ class Tracer:
         if self.counts is not None:  # before any step: the state made as one graph, read now
             deferred.materialise([*self.model.parameters(), *self.model.buffers()])
             self.capture.host_now = True
+        tstats.warm(self.device, list(self.model.parameters()))  # before step 0, not in it
         self.state.params("params")
         self.capture.host_now = False
         if self.counts is not None:
@@ -318,8 +318,7 @@ def trace(model: nn.Module, out: str, *, mode: str = "full",
         out: the trace directory to create.
         mode: "full", "stats" or "auto".
         optimizer: optional; parameters and optimizer state are captured after its step().
-        force: overwrite an existing trace directory.
-        run: extra run metadata for the manifest.
+        force: overwrite an existing trace directory. run: extra run metadata for the manifest.
 
     Under torchrun (a process group of more than one process) every rank writes
     ``out/rank-<r>``, with its rank, world size and ``parallel`` ("ddp", or "fsdp" where the
