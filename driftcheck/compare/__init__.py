@@ -86,6 +86,7 @@ class Comparison:
         entries = self.judge_all(judge, alignment)
         attach_histograms(entries, judge.histograms)
         findings.of_traces(self.ledger.errors)
+        findings.layout()
         findings.nonfinite(entries)
         findings.precision()
         verdict = Verdict(self.policy, self.limit_override, alignment.index)

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from driftcheck.compare import normalization
 from driftcheck.compare.aliasing import explain_extras, sharing_findings
 from driftcheck.compare.entries import TraceEntry, gradient_slot
 from driftcheck.compare.index import Call
@@ -97,6 +98,12 @@ class Findings:
                 f"{len(es)} tensor(s) exist only on the target (e.g. {es[0].key}): the target "
                 "ran a module or call the reference did not", phase=es[0].phase,
                 key=es[0].key, details={"count": len(es), "keys": [x.key for x in es[:10]]}))
+
+    def layout(self) -> None:
+        """A data-parallel side's loss normalized over each rank's own count (compare/normalization.py)."""
+        found = normalization.finding(self.ref, self.tgt)
+        if found is not None:
+            self.log.add(found)
 
     def returned_inputs(self, ref_map: EntryMap, tgt_map: EntryMap) -> None:
         """A compiled comparison does not judge the gradients of an input that its module returns

@@ -326,6 +326,7 @@ def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor | Non
             or how == "mean-scalar"):
         meta["rank_split"] = len(group)
     if how == "batch":
+        meta["batch_parts"] = [int(g["shape"][0]) for g in group]  # compare/normalization.py
         metas = [g.get("meta") or {} for g in group]
         for k in meta:
             vals: list[Any] = [m.get(k) for m in metas]

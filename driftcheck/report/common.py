@@ -264,6 +264,14 @@ def _conclusion(report: Any) -> str:
         what = _first_clause(str(fd.get("where") or ""), fd.get("module"))
         return (f"{explain_kind(kind)[0]} in {len(mods) or 1} module{'s' if len(mods) > 1 else ''} "
                 f"({listed}) from step {fd.get('step')}: {what}. A defect on the target, not precision.")
+    layout = [f for f in report.findings if f.kind == "layout.loss_normalization"]
+    if fd and layout:  # compare/normalization.py: the layouts computed different losses
+        d = layout[0].details
+        return (f"{entry_words(fd.get('module'), fd.get('phase', ''), fd.get('slot', ''))} at step "
+                f"{fd.get('step')} differs because the {d.get('data_parallel_side')}'s loss is a mean of its "
+                f"ranks' means over counts that differ between their parts (each rank's part of the "
+                f"gradient scaled by {', '.join(f'{x:.4g}' for x in d.get('factors') or [])}): a "
+                "difference of the layout, not precision or a defect of the target.")
     if fd:
         what = f"{entry_words(fd.get('module'), fd.get('phase', ''), fd.get('slot', ''))} at step {fd.get('step')}"
         blame = fd.get("blame_module")

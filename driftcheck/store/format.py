@@ -66,6 +66,7 @@ FINDING_KINDS = frozenset({
     "batchnorm.counter_not_advanced", "batchnorm.counter_wrong", "batchnorm.running_stats_not_updated",
     "batchnorm.running_stats_wrong", "batchnorm.updated_in_eval",
     "inplace.base_not_updated", "inplace.value_mismatch",
+    "layout.loss_normalization",
     "nonfinite.origin", "nonfinite.reference",
     "precision.fp8_casts", "precision.fp8_saturation", "precision.low_precision_sum",
     "precision.model_sensitive", "precision.control_kernel", "precision.settings_differ",

@@ -1,0 +1,104 @@
+"""A data-parallel side whose loss is a mean of its ranks' means over counts that differ between
+their parts (compare/normalization.py): against one process's mean over the global batch the
+numbers really differ, and compare names why (layout.loss_normalization), with the factors and
+each rank's share of the count; where every rank counts alike there is nothing to name.
+Recorded under torchrun (gloo, CPU), as a user would."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from driftcheck.compare.ranks import compare_ranks
+from driftcheck.report.common import conclusion
+
+SCENARIO = textwrap.dedent('''
+    import os
+    import torch
+    from torch import nn
+    from driftcheck import Scenario
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+        def forward(self, x, mask):
+            return self.body(x)
+
+    def loss(out, batch):  # a mean over the rows the mask keeps, as a causal LM's over unmasked labels
+        mask = batch[1]
+        return (out.pow(2).sum(-1) * mask).sum() / mask.sum()
+
+    def build():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        # the last row masked: 2 ranks count 2 and 1 rows (DC_EVEN: every row counted)
+        mask = torch.tensor([1.0, 1.0, 1.0, 1.0 if os.environ.get("DC_EVEN") else 0.0])
+        xs = [(torch.randn(4, 8, generator=g), mask) for _ in range(2)]
+        return Scenario(model=Net(), inputs=xs, loss=loss,
+                        optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), steps=2)
+''')
+
+
+def _record(tmp, out, *args, ranks=0, even=False):
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    env.pop("DC_EVEN", None)
+    if even:
+        env["DC_EVEN"] = "1"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+           "--master_addr", "127.0.0.1", "--master_port", str(port)] if ranks else [sys.executable]
+    cmd = [*run, "-m", "driftcheck", "--quiet", "record", str(tmp / "sc.py:build"), "--out", str(tmp / out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("normalization")
+    (tmp / "sc.py").write_text(SCENARIO)
+    for mode in ("full", "stats"):
+        _record(tmp, f"ref-{mode}", "--mode", mode)
+        _record(tmp, f"ddp-{mode}", "--mode", mode, "--parallel", "ddp", "--replay", str(tmp / f"ref-{mode}"), ranks=2)
+    _record(tmp, "ref-even", even=True)
+    _record(tmp, "ddp-even", "--parallel", "ddp", "--replay", str(tmp / "ref-even"), ranks=2, even=True)
+    return tmp
+
+
+def _named(report):
+    return [f for f in report.findings if f.kind == "layout.loss_normalization"]
+
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_a_mean_of_the_ranks_means_is_named_with_its_factors(runs, mode):
+    report = compare_ranks(runs / f"ref-{mode}", runs / f"ddp-{mode}")
+    assert report.verdict == "fail"  # the numbers really differ: 2 and 1 rows counted, not 3
+    found = _named(report)
+    assert len(found) == 1, [f.kind for f in report.findings]
+    f = found[0]
+    # rank r's part is the single process's times N / (W N_r): 3 / (2 * 2), 3 / (2 * 1)
+    assert f.details["factors"] == pytest.approx([0.75, 1.5], rel=1e-3)
+    assert f.details["counted_shares"] == pytest.approx([2 / 3, 1 / 3], rel=1e-3)
+    assert f.module == "body.2" and f.phase == "backward" and f.severity == "warning"
+    assert "mean of its 2 ranks' means" in f.message and f.details["data_parallel_side"] == "target"
+    # the headline says it is the layout, not "a defect on the target"
+    assert "a difference of the layout" in conclusion(report) and "defect on the target" not in conclusion(report)
+
+
+def test_the_other_way_round_names_the_reference(runs):
+    found = _named(compare_ranks(runs / "ddp-full", runs / "ref-full"))
+    assert len(found) == 1 and found[0].details["data_parallel_side"] == "reference"
+    assert found[0].details["factors"] == pytest.approx([0.75, 1.5], rel=1e-3)
+
+
+def test_equal_counts_leave_nothing_to_name(runs):
+    report = compare_ranks(runs / "ref-even", runs / "ddp-even")
+    assert report.verdict == "pass", report.decided_by
+    assert not _named(report)
