@@ -7,7 +7,8 @@ makes 1/N dS_r (N = the sum of the N_r): each batch part of the first backward g
 other side's times one factor, c_r = N / (W N_r), and the sum of the 1/c_r is W. Named where,
 on the first backward entry whose logical tensor joined the ranks' batch parts (meta
 ``batch_parts``, compare/layouts.py), per-part least-squares factors explain the difference (what
-is left after them is under a tenth of it), are not all 1, and keep that sum: a difference of
+is left after them is under a tenth of it), differ from each other by 1% or more (equal counts
+make them all 1: a uniform scale is not this), and keep that sum: a difference of
 the layout, not of precision or of a kernel. Pure numerics on the two traces' tensors, or on
 their samples in stats mode (the same positions on both sides).
 """
@@ -87,8 +88,11 @@ def _factors(e: dict[str, Any], got: tuple[np.ndarray, np.ndarray, np.ndarray], 
         resid[m] = y[m] - c[-1] * x[m]
     after = float(np.linalg.norm(resid[ok]))
     w = len(parts)
-    if not (after <= 0.1 * before and max(abs(f - 1.0) for f in c) >= 1e-2
-            and all(f > 0 for f in c) and abs(sum(1.0 / f for f in c) - w) <= 0.05 * w):
+    # Equal counts make every factor 1, so the layout never scales all parts alike: factors
+    # that differ from each other (a uniform scale is the target's own, not this), and whose
+    # inverses sum to W as the counts' shares sum to 1.
+    if not (after <= 0.1 * before and all(f > 0 for f in c) and max(c) >= 1.01 * min(c)
+            and abs(sum(1.0 / f for f in c) - w) <= 0.02 * w):
         return None
     shares = ", ".join(f"rank {i}: {100.0 / (w * f):.1f}%" for i, f in enumerate(c))
     side = "target" if target_split else "reference"

@@ -388,4 +388,7 @@ def warm(device: torch.device, params: list[torch.Tensor]) -> None:
                               np.empty((1, len(FIELDS)), dtype=np.float64))
         kernels.col_sumsq(x, 16, np.empty(16, dtype=np.float64))
         kernels.weighted_absmax(x, 64, 40.0)
+    wide = kernels.host_array(torch.arange(2 * SAMPLE_SIZE))  # integer and bool captures: float64
+    kernels.dense_stats(wide)
+    kernels.segment_stats(wide, np.asarray([wide.size], dtype=np.int64), np.empty((1, len(FIELDS)), dtype=np.float64))
     _flat_sample_indices(["warm"], [2 * SAMPLE_SIZE], np.zeros(1, dtype=np.int64), 0)

@@ -262,11 +262,17 @@ class _GradAccumulator:
                             self.capture(self.name, "backward", self.call, self.slot, g,
                                          extra=self.ctx)
                         continue
-                    self.total = g.clone() if self.total is None else self.total + g
+                    if self.total is None:
+                        self.total = g.clone()
+                    elif g.shape == self.total.shape and g.dtype == self.total.dtype:
+                        self.total.add_(g)  # our own copy, summed in place: no new tensor an edge
+                    else:
+                        self.total = self.total + g
                 self.remaining -= 1
             if self.remaining == 0 and self.total is not None and self.calls.active:
                 self.capture(self.name, "backward", self.call, self.slot, self.total,
                              extra=self.ctx, copy=False)
+                self.total = None  # the capture's now: a second backward through the graph adds to no copy of ours
         return hook
 
 

@@ -265,7 +265,7 @@ def _conclusion(report: Any) -> str:
         return (f"{explain_kind(kind)[0]} in {len(mods) or 1} module{'s' if len(mods) > 1 else ''} "
                 f"({listed}) from step {fd.get('step')}: {what}. A defect on the target, not precision.")
     layout = [f for f in report.findings if f.kind == "layout.loss_normalization"]
-    if fd and layout:  # compare/normalization.py: the layouts computed different losses
+    if fd and layout and _normalization_explains(report, fd, layout[0]):  # compare/normalization.py
         d = layout[0].details
         return (f"{entry_words(fd.get('module'), fd.get('phase', ''), fd.get('slot', ''))} at step "
                 f"{fd.get('step')} differs because the {d.get('data_parallel_side')}'s loss is a mean of its "
@@ -296,6 +296,19 @@ def _conclusion(report: Any) -> str:
                 f"(first: {module_label(e.module)} {e.phase} {e.slot}): the two runs executed "
                 "different code.")
     return "The gate failed."
+
+
+def _normalization_explains(report: Any, fd: dict[str, Any], found: Any) -> bool:
+    """Whether a loss normalized per rank can have made the first divergence: a finite entry
+    from the finding's step on, and at that step no forward tensor but a scalar (the loss the
+    model's own code computes, the ranks' mean of theirs): the forward before the loss is the
+    same computation on every layout."""
+    if fd.get("status") == "nonfinite" or int(fd.get("step") or 0) < int(found.step or 0):
+        return False
+    if fd.get("phase") != "forward" or int(fd.get("step") or 0) > int(found.step or 0):
+        return True
+    e = next((x for x in report.entries if x.key == fd.get("key")), None)
+    return e is not None and e.metrics.get("count") == 1
 
 
 def _first_clause(message: str, module: str | None) -> str:

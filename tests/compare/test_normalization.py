@@ -102,3 +102,35 @@ def test_equal_counts_leave_nothing_to_name(runs):
     report = compare_ranks(runs / "ref-even", runs / "ddp-even")
     assert report.verdict == "pass", report.decided_by
     assert not _named(report)
+
+
+def test_a_uniform_scale_is_no_layout_effect():
+    """Equal counts make every factor 1: a target that scales the whole gradient by one factor
+    (a defect of its own) is not explained away as a loss normalized per rank."""
+    import numpy as np
+
+    from driftcheck.compare.normalization import _factors
+
+    x = np.random.default_rng(0).standard_normal(4 * 64)
+    rows = np.arange(x.size) // 64
+    e = {"module": "head", "step": 0, "key": "0/backward/head/0/grad_output"}
+    for c in (1.03, 0.97, 1.2):
+        assert _factors(e, (x, c * x, rows), [2, 2], target_split=True) is None, c
+    # the layout's own factors, 3 / (2 * 2) and 3 / (2 * 1) on 2 + 2 rows: named
+    y = np.where(rows < 2, 0.75, 1.5) * x
+    got = _factors(e, (x, y, rows), [2, 2], target_split=True)
+    assert got is not None and got.details["factors"] == pytest.approx([0.75, 1.5])
+
+
+def test_the_conclusion_names_the_layout_only_where_it_can_explain(runs):
+    """A divergence the per-rank loss cannot make (a forward tensor before the loss, NaN/Inf)
+    keeps the conclusion's own words."""
+    report = compare_ranks(runs / "ref-full", runs / "ddp-full")
+    fd = report.first_divergence
+    assert fd["phase"] != "forward" and "a difference of the layout" in conclusion(report)
+    first = next(e for e in report.entries if e.phase == "forward" and e.metrics.get("count", 0) > 1)
+    report.first_divergence = dict(fd, key=first.key, phase="forward", step=0, module=first.module,
+                                   slot=first.slot)
+    assert "a difference of the layout" not in conclusion(report)
+    report.first_divergence = dict(fd, status="nonfinite")
+    assert "a difference of the layout" not in conclusion(report)

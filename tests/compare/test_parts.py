@@ -176,3 +176,16 @@ def test_a_small_tensor_parallel_activation_is_rebuilt_whole(tmp_path):
     logical_trace(dirs, tmp_path / "logical", {key: [4, 64]})
     e = TraceReader(tmp_path / "logical").entries[0]
     assert e["shape"] == [4, 64] and e["stats"] == _stats(full)
+
+
+def test_a_shard_ignores_the_batch_shape_two_multi_rank_sides_expect():
+    """DDP against FSDP2 at the same world size: logical_shapes takes every key of equal shapes
+    for a batch slice (its dim 0 times the ranks); a DTensor's own layout says where it lies, so
+    a shard of global [64, 48] is rebuilt as that, not refused against [128, 48]."""
+    whole = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+    layout = {"placements": ["S0"], "mesh": [2], "global_shape": [64, 48]}
+    key, group, samples = _ranks(whole, "params", 2, parallel="fsdp", layout=layout)
+    expect = [128, 48]
+    how = how_of(group, [g["shape"] for g in group], expect, "fsdp")
+    shape, _, sample, _ = logical(group, samples, how, SEED, expect)
+    assert how == "gathered" and shape == [64, 48]

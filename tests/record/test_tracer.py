@@ -449,3 +449,31 @@ def test_library_trace_warns_without_a_step_and_speaks_python(tmp_path):
     with pytest.raises(FileExistsError, match="force=True"):
         with driftcheck.trace(model, out=str(tmp_path / "t")):
             pass
+
+
+def test_a_second_backward_through_the_graph_leaves_a_summed_gradient_as_captured(tmp_path):
+    """An input that reaches two ops has its gradient summed over both edges by the tracer (its
+    own copy); a second backward through the same graph (retain_graph) must not add into what
+    the first one captured."""
+    import driftcheck
+    from driftcheck.store import TraceReader
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) * self.b(x)
+
+    torch.manual_seed(0)
+    model, x = Two(), torch.randn(3, 4, requires_grad=True)
+    want = torch.autograd.grad(model(x).sum(), x)[0]
+    with driftcheck.trace(model, out=str(tmp_path / "t"), mode="full") as t:
+        loss = model(x).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        t.step(loss)
+    r = TraceReader(tmp_path / "t")
+    got = r.tensor(next(e for e in r.entries if e["key"] == "0/backward/./0/grad_input.0"))
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
