@@ -1,7 +1,8 @@
 """A data-parallel side whose loss is a mean of its ranks' means over counts that differ between
 their parts (compare/normalization.py): against one process's mean over the global batch the
 numbers really differ, and compare names why (layout.loss_normalization), with the factors and
-each rank's share of the count; where every rank counts alike there is nothing to name.
+each rank's share of the count (where every rank counts alike there is nothing to name:
+tests/record/test_layouts.py).
 Recorded under torchrun (gloo, CPU), as a user would."""
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from driftcheck.compare.ranks import compare_ranks
 from driftcheck.report.common import conclusion
 
 SCENARIO = textwrap.dedent('''
-    import os
     import torch
     from torch import nn
     from driftcheck import Scenario
@@ -37,19 +37,15 @@ SCENARIO = textwrap.dedent('''
     def build():
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
-        # the last row masked: 2 ranks count 2 and 1 rows (DC_EVEN: every row counted)
-        mask = torch.tensor([1.0, 1.0, 1.0, 1.0 if os.environ.get("DC_EVEN") else 0.0])
+        mask = torch.tensor([1.0, 1.0, 1.0, 0.0])  # the last row masked: 2 ranks count 2 and 1 rows
         xs = [(torch.randn(4, 8, generator=g), mask) for _ in range(2)]
         return Scenario(model=Net(), inputs=xs, loss=loss,
                         optimizer=lambda p: torch.optim.SGD(p, lr=1e-2), steps=2)
 ''')
 
 
-def _record(tmp, out, *args, ranks=0, even=False):
+def _record(tmp, out, *args, ranks=0):
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
-    env.pop("DC_EVEN", None)
-    if even:
-        env["DC_EVEN"] = "1"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -67,8 +63,6 @@ def runs(tmp_path_factory):
     for mode in ("full", "stats"):
         _record(tmp, f"ref-{mode}", "--mode", mode)
         _record(tmp, f"ddp-{mode}", "--mode", mode, "--parallel", "ddp", "--replay", str(tmp / f"ref-{mode}"), ranks=2)
-    _record(tmp, "ref-even", even=True)
-    _record(tmp, "ddp-even", "--parallel", "ddp", "--replay", str(tmp / "ref-even"), ranks=2, even=True)
     return tmp
 
 
@@ -96,12 +90,6 @@ def test_the_other_way_round_names_the_reference(runs):
     found = _named(compare_ranks(runs / "ddp-full", runs / "ref-full"))
     assert len(found) == 1 and found[0].details["data_parallel_side"] == "reference"
     assert found[0].details["factors"] == pytest.approx([0.75, 1.5], rel=1e-3)
-
-
-def test_equal_counts_leave_nothing_to_name(runs):
-    report = compare_ranks(runs / "ref-even", runs / "ddp-even")
-    assert report.verdict == "pass", report.decided_by
-    assert not _named(report)
 
 
 def test_a_uniform_scale_is_no_layout_effect():
