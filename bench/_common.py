@@ -167,3 +167,31 @@ def fresh(model: torch.nn.Module) -> torch.nn.Module:
 
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
+
+
+# Issue 46's real size on one host: a 349M-parameter Hugging Face Llama, one 512-token sequence.
+HF_LLAMA = {"350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=512, tie_word_embeddings=False),
+            "40m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                        max_position_embeddings=512, tie_word_embeddings=False)}
+
+
+def hf_llama_scenario(size: str, steps: int, seed: int = 0, seq: int = 512) -> Scenario:
+    """transformers' LlamaForCausalLM of ``HF_LLAMA[size]`` from its config (no download), AdamW,
+    ``steps`` batches of one ``seq``-token sequence, its own causal-LM loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**HF_LLAMA[size])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    inputs = []
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
+        inputs.append({"input_ids": ids, "labels": ids.clone()})
+    return Scenario(model=model, inputs=inputs, loss=lambda out, batch: out.loss,
+                    optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+                    steps=steps, name=f"hf-llama-{size}")
