@@ -58,8 +58,9 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: bool,
-                        scale: float | None) -> torch.Tensor:
-    """The weighted |logit| max of scaled_dot_product_attention, recomputed in row blocks."""
+                        scale: float | None, blocks: dict | None = None) -> torch.Tensor:
+    """The weighted |logit| max of scaled_dot_product_attention, recomputed in row blocks; on
+    the host into ``blocks`` (shape -> a block of logits the watch keeps for its next calls)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.dim() >= 3 and k.dim() == q.dim() and q.shape[-3] != k.shape[-3] \
             and q.shape[-3] % k.shape[-3] == 0:  # grouped-query attention
@@ -71,7 +72,15 @@ def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: boo
     for lo in range(0, lq, rows):
         # one block of logits allocated, scaled and masked in place (the same values as the
         # out-of-place ops: a 349M Llama's step allocated 1.2 GB more for their copies)
-        s = (q.detach()[..., lo:lo + rows, :].float() @ kt).mul_(scale)
+        qb = q.detach()[..., lo:lo + rows, :].float()
+        shape = torch.broadcast_shapes(qb.shape[:-2], kt.shape[:-2]) + (qb.shape[-2], lk)
+        if blocks is not None and q.device.type == "cpu":
+            if shape not in blocks:
+                blocks.clear()  # one shape kept: the next layer's attention has the same
+                blocks[shape] = torch.empty(shape, dtype=torch.float32)
+            s = torch.matmul(qb, kt, out=blocks[shape]).mul_(scale)
+        else:
+            s = (qb @ kt).mul_(scale)
         if causal:
             i = torch.arange(lo, min(lo + rows, lq), device=q.device)[:, None]
             s.masked_fill_(torch.arange(lk, device=q.device)[None, :] > i + (lk - lq), -math.inf)
@@ -203,6 +212,7 @@ class LogitWatch(TorchFunctionMode):
         self.on_host = on_host
         self.on_logits = on_logits
         self.on_ctc = on_ctc  # the frames of a CTC loss computed by the current module's code
+        self.blocks: dict = {}  # attention logits recomputed on the host: one block, reused
         self.on_decision = on_decision
         self.around: Callable[[], Any] | None = None  # a context around the watch's own work
 
@@ -240,7 +250,7 @@ class LogitWatch(TorchFunctionMode):
                 if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.numel():
                     with torch.no_grad():
                         scale = args[6] if len(args) > 6 else kwargs.get("scale")
-                        self.on_logits(_sdpa_logits_absmax(q, k, mask, bool(causal), scale))
+                        self.on_logits(_sdpa_logits_absmax(q, k, mask, bool(causal), scale, self.blocks))
             elif name in _DECISIONS and self.on_decision is not None:
                 prof = decision_profile(name, args, kwargs)
                 if prof is not None:
