@@ -136,3 +136,20 @@ def a_middle_linear(name: str) -> str:
 
     lins = [n for n, m in load_scenario(name).model.named_modules() if isinstance(m, nn.Linear)]
     return lins[len(lins) // 2]
+
+
+def record_cli(cwd, *args: str, ranks: int = 0, env: dict | None = None) -> None:
+    """``driftcheck --quiet record ARGS`` in a subprocess run from ``cwd``: under torchrun with
+    ``ranks`` processes (gloo on CPU, a free port), or a single process where ``ranks`` is 0;
+    ``env`` added to this process's environment. Asserts it exits 0."""
+    import socket
+
+    full = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1", **(env or {}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+           "--master_addr", "127.0.0.1", "--master_port", str(port)] if ranks else [sys.executable]
+    proc = subprocess.run([*run, "-m", "driftcheck", "--quiet", "record", *args], env=full,
+                          capture_output=True, text=True, timeout=180, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]

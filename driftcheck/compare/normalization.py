@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from driftcheck.compare.parts import sample_key_of
 from driftcheck.gate.report import Finding
 from driftcheck.numerics import stats as tstats
-from driftcheck.store.keys import sample_key
 from driftcheck.store.reader import TraceReader
 
 KIND = "layout.loss_normalization"
@@ -62,8 +62,7 @@ def _values(ref: TraceReader, r: dict[str, Any], tgt: TraceReader, e: dict[str, 
         a, b = ref.tensor(r, "sample"), tgt.tensor(e, "sample")
         if a is None or b is None or a.numel() != b.numel():
             return None
-        key = sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
-        flat = tstats.sample_indices(key, math.prod(e["shape"]), int(tgt.run.get("seed") or 0))
+        flat = tstats.sample_indices(sample_key_of(e), math.prod(e["shape"]), int(tgt.run.get("seed") or 0))
     x, y = a.double().reshape(-1).numpy(), b.double().reshape(-1).numpy()
     return x, y, np.asarray(flat) // max(per_row, 1)
 

@@ -37,7 +37,7 @@ def whole(group: list[Entry], samples: list[torch.Tensor]) -> bool:
 
 def of_tensor(e: Entry, t: torch.Tensor, seed: int) -> tuple[list[int], dict[str, Any], torch.Tensor]:
     """(shape, statistics, sample) of the logical tensor ``t`` of entry ``e``, rebuilt whole."""
-    return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, _sample_key(e), seed)
+    return list(t.shape), tstats.to_dict(tstats.stats_vector(t).tolist()), tstats.sample_of(t, sample_key_of(e), seed)
 
 
 def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int,
@@ -46,7 +46,7 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
     logical entry whose ranks' samples are not all whole (:func:`whole`, :func:`of_tensor`), ``how``
     as compare/layouts.py ``how_of`` says; ``expect``: the other side's shape, if known."""
     e, n = group[0], len(group)
-    key = _sample_key(e)
+    key = sample_key_of(e)
     dtype = samples[0].dtype
     if how in ("gathered", "batch") and not ((e.get("meta") or {}).get("layout") or {}).get("placements") == ["R"]:
         parts = [(g.get("meta") or {}).get("part") for g in group]
@@ -88,7 +88,7 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
     return list(e["shape"]), dict(e["stats"]), samples[0], False
 
 
-def _sample_key(e: Entry) -> str:
+def sample_key_of(e: Entry) -> str:
     """The key whose seeded positions the entry's sample holds (store/keys.py ``sample_key``)."""
     return sample_key(e["step"], e["phase"], e["module"], e["call"], e["slot"])
 

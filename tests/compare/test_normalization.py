@@ -6,13 +6,10 @@ tests/record/test_layouts.py).
 Recorded under torchrun (gloo, CPU), as a user would."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import record_cli
 
 from driftcheck.compare.ranks import compare_ranks
 from driftcheck.report.common import conclusion
@@ -45,15 +42,7 @@ SCENARIO = textwrap.dedent('''
 
 
 def _record(tmp, out, *args, ranks=0):
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_addr", "127.0.0.1", "--master_port", str(port)] if ranks else [sys.executable]
-    cmd = [*run, "-m", "driftcheck", "--quiet", "record", str(tmp / "sc.py:build"), "--out", str(tmp / out), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    record_cli(tmp, str(tmp / "sc.py:build"), "--out", str(tmp / out), *args, ranks=ranks)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ compare rebuilds one logical trace (driftcheck/compare/layouts.py)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import record_cli
 
 from driftcheck.compare.layouts import logical_tensor
 from driftcheck.compare.ranks import compare_ranks
@@ -38,22 +38,8 @@ SCENARIO = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _record(tmp: Path, *args: str, ranks: int = 0, fault: bool = False) -> None:
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
-    env.pop("DC_FAULT", None)
-    if fault:
-        env["DC_FAULT"] = "1"
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port())] if ranks else [sys.executable]
-    cmd = [*run, "-m", "driftcheck", "--quiet", "record", str(tmp / "sc.py:build"), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    record_cli(tmp, str(tmp / "sc.py:build"), *args, ranks=ranks, env={"DC_FAULT": "1" if fault else ""})
 
 
 @pytest.fixture(scope="module")
