@@ -80,10 +80,13 @@ def models(obj: Ctx) -> None:
 @precision_options("the")
 @compile_options(False)
 @click.option("--view-audit", is_flag=True, help="Record view/in-place events for the semantic audit.")
-@click.option("--parallel", type=click.Choice(["ddp", "fsdp", "tp"]), default=None,
+@click.option("--parallel", type=click.Choice(["ddp", "fsdp", "tp", "fsdp-tp"]), default=None,
               help="Under torchrun: wrap the model in DDP or FSDP (fully_shard), or apply its "
-                   "tensor-parallel plan (tp: every rank sees the whole batch); one trace per rank "
-                   "in OUT/rank-N (see docs/performance.md).")
+                   "tensor-parallel plan (tp: every rank sees the whole batch), or both on a 2-D "
+                   "mesh (fsdp-tp: the plan within groups of --tp-size ranks, FSDP2 across them); "
+                   "one trace per rank in OUT/rank-N (see docs/performance.md).")
+@click.option("--tp-size", type=int, default=None, metavar="N",
+              help="With --parallel fsdp-tp: the ranks of each tensor-parallel group  [default: 2]")
 @click.option("--dist-backend", default=None, metavar="NAME",
               help="With --parallel: the process-group backend, any registered with "
                    "torch.distributed  [default: the device's own: nccl for cuda, tpu_dist for "
@@ -109,7 +112,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
            autocast: str | None, matmul_precision: str | None, emulate: str | None, fp8: str | None,
            mkldnn: str | None, compile_backend: str | None, compile_mode: str | None, dynamic: bool | None,
            view_audit: bool, local: str | None, no_local: bool, env_vars: tuple, simulate: str | None,
-           parallel: str | None, dist_backend: str | None, long_: bool, every: int,
+           parallel: str | None, tp_size: int | None, dist_backend: str | None, long_: bool, every: int,
            points_every: int | None, perturb: bool, start: int | None) -> None:
     """Record MODEL's training steps into a trace directory.
 
@@ -187,7 +190,7 @@ def record(obj: Ctx, model: str, out: str, device: str, dtype: str, steps: int |
             full_modules=full_modules, phases=_set(parse_phases(phases)),
             capture_steps=_set(parse_ranges(capture_steps)), transfer=transfer, autocast=autocast,
             fp8=fp8, view_audit=view_audit, local=local, simulate=simulate, parallel=parallel,
-            dist_backend=dist_backend, on_written=on_written,
+            dist_backend=dist_backend, tp_size=tp_size, on_written=on_written,
             emulate=emulate_level, on_step=on_step, start=start, env=env, compile=compile_,
             mkldnn=None if mkldnn is None else mkldnn == "on")))
     if lines:  # a side waiting for this trace may start now, while this process ends

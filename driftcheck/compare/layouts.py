@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from driftcheck.compare import parts
+from driftcheck.compare import blocks, parts
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
 from driftcheck.store.layout import rank_dirs
@@ -67,7 +67,8 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
     truth = kwargs.pop("truth", None)
     dirs = [rank_dirs(ref), rank_dirs(target)]
     firsts = [TraceReader(d[min(d)] if d else side) for d, side in zip(dirs, (ref, target))]
-    expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp")
+    expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp",
+                               blocks.kind_of(r.run, len(d)) if r.run.get("parallel") == "fsdp-tp" else None)
                               for r, d in zip(firsts, dirs)))
     warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
                 "not hold contiguous parts of one global batch in rank order (as driftcheck record "
@@ -101,13 +102,18 @@ def logical_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[str, list[int
     trace's shape; else the batch slice joined (dim 0 times the ranks) where the slices of the
     two sides say so (the same world size: always, the two sides then join alike). A tensor-
     parallel side holds the whole batch; an activation of it outside the plan may be a part
-    along one other dim (``_tp_shape``)."""
+    along one other dim (``_tp_shape``). An fsdp-tp side (its (dp, tp) mesh given after the
+    tensor-parallel flag) holds blocks: compare/blocks.py ``logical_shape``."""
     (sa, na, *ta), (sb, nb, *tb) = a, b
     tp_a, tp_b = bool(ta and ta[0]), bool(tb and tb[0])
+    mesh_a, mesh_b = (ta[1] if len(ta) > 1 else None), (tb[1] if len(tb) > 1 else None)
     out = {}
     for k in sa.keys() & sb.keys():
         x, y = list(sa[k]), list(sb[k])
-        if tp_a or tp_b:
+        if mesh_a or mesh_b:
+            out[k] = blocks.logical_shape(x, mesh_a or ((1, na) if tp_a else (na, 1)),
+                                          y, mesh_b or ((1, nb) if tp_b else (nb, 1)))
+        elif tp_a or tp_b:
             out[k] = _tp_shape(x, na, tp_a, y, nb, tp_b)
         elif na == 1 or nb == 1:
             out[k] = x if na == 1 else y
@@ -154,6 +160,7 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
     seed = int(base.run.get("seed") or 0)
     by_key = [{e["key"]: e for e in r.entries} for r in readers]
     parallel = base.run.get("parallel")
+    kind = blocks.kind_of(base.run, len(readers))
     warnings: list[str] = []
     with TraceWriter(out, force=True) as writer:
         for e in base.entries:
@@ -162,16 +169,18 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
                                       "the ranks ran different steps or modules")
             group = [k[e["key"]] for k in by_key]
             if not all(g.get("tensor") for g in group):  # stats mode (or auto's stats entries)
-                warnings += _stats_entry(writer, readers, group, expect.get(e["key"]), parallel, seed)
+                warnings += _stats_entry(writer, readers, group, expect.get(e["key"]), parallel, seed, kind)
                 continue
             tensors = [r.tensor(g) for r, g in zip(readers, group)]
-            t, how = logical_tensor(group, tensors, expect.get(e["key"]), parallel)  # type: ignore[arg-type]
-            if how == "replicated-differs":
+            t, how = logical_tensor(group, tensors, expect.get(e["key"]), parallel, kind)  # type: ignore[arg-type]
+            if how == "blocks-differ":
+                warnings.append(f"{e['key']}: ranks holding the same block differ; the first's is compared")
+            elif how == "replicated-differs":
                 warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
             elif how == "mean-scalar":
                 warnings.append(_MEAN_SCALAR.format(e["key"]))
             warnings += batch_statistics(e, how, warnings)
-            writer.add(_entry(e, group, t, how, parallel), t.contiguous())
+            writer.add(_entry(e, group, t, how, parallel, kind=kind, expect=expect.get(e["key"])), t.contiguous())
         run = {k: v for k, v in base.run.items() if k != "rank"}
         extra = {k: v for k, v in base.manifest.items()
                  if k not in ("format", "version", "run", "shards", "entries", "replay")}
@@ -180,7 +189,8 @@ def logical_trace(ranks: dict[int, Path], out: Path, expect: dict[str, list[int]
 
 
 def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[dict[str, Any]],
-                 expect: list[int] | None, parallel: str | None, seed: int) -> list[str]:
+                 expect: list[int] | None, parallel: str | None, seed: int,
+                 kind: tuple[int, int] = (1, 1)) -> list[str]:
     """Write the logical stats-mode entry of the ranks' ``group`` (compare/parts.py); warnings."""
     e = group[0]
     samples = [r.tensor(g, "sample") for r, g in zip(readers, group)]
@@ -188,12 +198,17 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
         raise DriftcheckError(f"{e['key']}: a rank's entry holds neither a tensor nor a sample")
     if parts.whole(group, samples):  # type: ignore[arg-type]
         t, how = logical_tensor(group, [s.reshape(g["shape"]) for s, g in zip(samples, group)],  # type: ignore[union-attr]
-                                expect, parallel)
+                                expect, parallel, kind)
         shape, stats, sample = parts.of_tensor(e, t, seed)
         estimated = False
     else:
-        how = how_of(group, [g["shape"] for g in group], expect, parallel)
-        shape, stats, sample, estimated = parts.logical(group, samples, how, seed, expect)  # type: ignore[arg-type]
+        how = how_of(group, [g["shape"] for g in group], expect, parallel, kind)
+        if how == "blocks":
+            plan = blocks.plan(group, [g["shape"] for g in group], expect, kind)
+            shape = plan.shape
+            stats, sample, estimated = blocks.stats(plan, group, seed, samples[0].dtype)  # type: ignore[union-attr]
+        else:
+            shape, stats, sample, estimated = parts.logical(group, samples, how, seed, expect)  # type: ignore[arg-type]
     warnings = []
     if how == "replicated-differs" or (how == "replicated" and not all(
             torch.equal(samples[0], s) for s in samples[1:])):  # type: ignore[arg-type]
@@ -201,7 +216,7 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
     elif how == "mean-scalar":
         warnings.append(_MEAN_SCALAR.format(e["key"]))
     warnings += batch_statistics(e, how, warnings)
-    entry = _entry(e, group, None, how, parallel, shape=shape, stats=stats)
+    entry = _entry(e, group, None, how, parallel, shape=shape, stats=stats, kind=kind, expect=expect)
     if estimated:
         entry.setdefault("meta", {})["stats_from_sample"] = True
     writer.add(entry, None, sample=sample.contiguous())
@@ -209,13 +224,15 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
 
 
 def how_of(entries: list[dict[str, Any]], shapes: list[list[int]], expect: list[int] | None,
-           parallel: str | None) -> str:
+           parallel: str | None, kind: tuple[int, int] = (1, 1)) -> str:
     """How the ranks' entries of one key (their tensors of ``shapes``) make the logical one, from
     layout and shapes alone, in either mode: ``gathered`` (shards, or a tensor-parallel part),
-    ``summed``, ``batch``, ``mean`` or ``replicated`` (which ``logical_tensor`` then tells apart
-    by value)."""
+    ``summed``, ``batch``, ``blocks`` (of a 2-D mesh: compare/blocks.py, the side's ``kind``),
+    ``mean`` or ``replicated`` (which ``logical_tensor`` then tells apart by value)."""
     e, n, shape = entries[0], len(entries), list(shapes[0])
     layout = (e.get("meta") or {}).get("layout")
+    if parallel == "fsdp-tp" or (layout and layout.get("offset") is not None and len(layout.get("mesh") or []) > 1):
+        return blocks.plan(entries, shapes, expect, kind).how
     if layout:
         if len(layout.get("mesh") or []) != 1:
             raise DriftcheckError(f"{e['key']}: a DTensor on a mesh of shape {layout.get('mesh')}; only "
@@ -242,12 +259,17 @@ def how_of(entries: list[dict[str, Any]], shapes: list[list[int]], expect: list[
     return "replicated"
 
 
-def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor],
-                   expect: list[int] | None, parallel: str | None) -> tuple[torch.Tensor, str]:
+def logical_tensor(entries: list[dict[str, Any]], tensors: list[torch.Tensor], expect: list[int] | None,
+                   parallel: str | None, kind: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, str]:
     """The logical tensor of the ranks' ``tensors`` of one entry, and how it was rebuilt
-    (``how_of``; a replicated one as ``replicated``, ``replicated-differs`` or ``mean-scalar``)."""
-    how = how_of(entries, [list(t.shape) for t in tensors], expect, parallel)
+    (``how_of``; a replicated one as ``replicated``, ``replicated-differs`` or ``mean-scalar``;
+    blocks whose copies differ as ``blocks-differ``)."""
+    how = how_of(entries, [list(t.shape) for t in tensors], expect, parallel, kind)
     n = len(tensors)
+    if how == "blocks":
+        t, same = blocks.place(entries[0]["key"], blocks.plan(entries, [list(t.shape) for t in tensors],
+                                                              expect, kind), tensors)
+        return t, "blocks" if same else "blocks-differ"
     if how in ("gathered", "summed"):
         if (entries[0].get("meta") or {}).get("layout"):
             return _from_placements(entries, tensors), how
@@ -313,21 +335,32 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor | None, how: str,
            parallel: str | None = None, shape: list[int] | None = None,
-           stats: dict[str, Any] | None = None) -> dict[str, Any]:
+           stats: dict[str, Any] | None = None, kind: tuple[int, int] = (1, 1),
+           expect: list[int] | None = None) -> dict[str, Any]:
     """The logical entry: rank 0's, with the logical tensor's shape and statistics (of ``t``, or
     ``shape`` and ``stats`` of a stats-mode entry); the meta that summarises a batch slice
-    combined over the slices."""
+    combined over the slices (over the distinct blocks of a 2-D mesh: ``kind``, ``expect``)."""
     out = {k: v for k, v in e.items() if k not in ("tensor", "sample", "stats", "meta")}
     out["shape"] = list(t.shape) if t is not None else list(shape or [])
     out["stats"] = tstats.to_dict(tstats.stats_vector(t).tolist()) if t is not None else dict(stats or {})
-    meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout", "part")}
+    meta = {k: v for k, v in (e.get("meta") or {}).items() if k not in ("shard", "layout", "part", "part_tp")}
     if len(group) > 1 and (how == "summed" or (  # a reduction across the ranks (allowances.py)
             e["phase"] in ("grads", "loss") and how in ("mean", "gathered") and parallel != "tp")
             or how == "mean-scalar"):
         meta["rank_split"] = len(group)
+    combine = group if how == "batch" else []
     if how == "batch":
         meta["batch_parts"] = [int(g["shape"][0]) for g in group]  # compare/normalization.py
-        metas = [g.get("meta") or {} for g in group]
+    elif how.startswith("blocks"):
+        plan = blocks.plan(group, [g["shape"] for g in group], expect, kind)
+        if e["phase"] == "grads" and kind[0] > 1:  # summed over the data-parallel groups
+            meta["rank_split"] = kind[0]
+        if plan.shape and plan.shape[0] != group[0]["shape"][0] and e["phase"] in ("forward", "backward"):
+            combine = blocks.distinct(plan, group)
+            meta["batch_parts"] = [int(g["shape"][0]) for g, o in zip(group, plan.offsets)
+                                   if any(g is c for c in combine) and not any(o[1:])]
+    if combine:
+        metas = [g.get("meta") or {} for g in combine]
         for k in meta:
             vals: list[Any] = [m.get(k) for m in metas]
             if any(v is None for v in vals):

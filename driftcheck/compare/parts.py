@@ -25,6 +25,7 @@ import torch
 
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
+from driftcheck.store.format import block_of
 from driftcheck.store.keys import sample_key
 
 Entry = dict[str, Any]
@@ -64,8 +65,7 @@ def logical(group: list[Entry], samples: list[torch.Tensor], how: str, seed: int
         out = torch.full((tstats.SAMPLE_SIZE,), float("nan"), dtype=torch.float64)
         seen = torch.zeros(tstats.SAMPLE_SIZE, dtype=torch.bool)
         for p, g in zip(parts, group):
-            j, _ = tstats.part_positions(key, seed, list(p["global_shape"]), int(p["dim"]),  # type: ignore[index]
-                                         int(p["start"]), list(g["shape"]))  # type: ignore[index]
+            j, _ = tstats.part_positions(key, seed, *block_of(p), list(g["shape"]))  # type: ignore[arg-type]
             values = [float(v) for v in p["values"]]  # type: ignore[index]  # "nan", "inf": strings
             if len(values) != len(j):
                 raise DriftcheckError(f"{e['key']}: a rank's share holds {len(values)} values where its "

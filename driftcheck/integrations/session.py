@@ -138,8 +138,9 @@ class TraceSession:
         self.tracer = Tracer(self.model, self.writer, mode=self.mode, optimizer=optimizer,
                              steps=self.capture, seed=self.seed, **self.tracer_kwargs)
         if self.rank and self.tracer.mode != "full":  # each part's share of the logical sample
-            self.tracer.capture.parts = Parts(self.rank["rank"], self.rank["world_size"],
-                                              ranks.splits_batch(self.rank["parallel"]), self.tracer.capture.seed)
+            self.tracer.capture.parts = Parts(ranks.batch_part(self.rank["parallel"], self.rank["rank"],
+                                                               self.rank["world_size"]),
+                                              None, self.tracer.capture.seed)
         self.tracer.attach()
         self.tracer.pause()
         # A compiled model (torch.compile by the loop, Trainer's torch_compile): Dynamo's account

@@ -111,16 +111,19 @@ def sample_indices(key: str, numel: int, seed: int) -> np.ndarray:
     return _flat_sample_indices([key], [numel], np.zeros(1, dtype=np.int64), seed)
 
 
-def part_positions(key: str, seed: int, logical: list[int], dim: int, start: int,
+def part_positions(key: str, seed: int, logical: list[int], offset: list[int],
                    shape: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(j, local flat index) of a part of shape ``shape`` of a logical tensor of shape ``logical``
-    (the range [start, start + shape[dim]) along ``dim``): which of the logical tensor's sample
-    positions (``sample_indices(key, numel(logical))``) fall in the part, and where they are in it."""
+    """(j, local flat index) of a block of shape ``shape`` at ``offset`` in a logical tensor of
+    shape ``logical``: which of the logical tensor's sample positions (``sample_indices(key,
+    numel(logical))``) fall in the block, and where they are in it."""
     flat = sample_indices(key, math.prod(logical), seed)
     coords = np.unravel_index(flat, logical)
-    j = np.nonzero((coords[dim] >= start) & (coords[dim] < start + shape[dim]))[0]
-    local = [c[j] for c in coords]
-    local[dim] = local[dim] - start
+    inside = np.ones(flat.shape, dtype=bool)
+    for d, (o, n) in enumerate(zip(offset, shape)):
+        if o or n != logical[d]:
+            inside &= (coords[d] >= o) & (coords[d] < o + n)
+    j = np.nonzero(inside)[0]
+    local = [c[j] - o for c, o in zip(coords, offset)]
     return j, (np.ravel_multi_index(tuple(local), shape) if j.size else j)
 
 

@@ -18,6 +18,7 @@ from driftcheck.numerics import dtypes, stats as tstats
 from driftcheck.record.config import CaptureConfig
 from driftcheck.record.parts import Parts, dtensor_layout
 from driftcheck.record.selection import Selection
+from driftcheck.store.format import SHARES
 from driftcheck.store.keys import key_string, sample_key
 from driftcheck.store.writer import TraceWriter
 from driftcheck.targets import deferred
@@ -73,9 +74,9 @@ class Capture:
         self.deferred = False
         self.host_now = False  # between a deferred device's steps: captures go to the host now
         self._host = tstats.HostSummaries(config.seed)
-        # module path -> the layout of a plain tensor there that is a tensor-parallel shard
-        # (record/tensor_parallel.py activation_layouts); empty unless --parallel tp
+        # module path -> the layout of a plain tensor there that is a tensor-parallel shard (record/tensor_parallel.py)
         self.shards: dict[str, Callable[[str, str, torch.Tensor], dict[str, Any] | None]] = {}
+        self.batch: tuple[int, int] | None = None  # fsdp-tp: this rank's data-parallel group, of how many
         self.parts: Parts | None = None  # a rank of a multi-rank stats record: its parts' shares
         self.reset()
 
@@ -153,7 +154,8 @@ class Capture:
             # An FSDP/tensor-parallel DTensor: record this rank's shard. Anything else (stats,
             # .cpu()) would run collectives from inside a hook and could deadlock the ranks.
             # compare_ranks judges what depends on it with the whole tensor's error (meta shard).
-            extra = dict(extra or {}, shard=True, layout=dtensor_layout(t))
+            extra = dict(extra or {}, shard=True, layout=dtensor_layout(
+                t, self.batch if phase in ("forward", "backward") else None))
             t = t.to_local()
         elif self.shards and module in self.shards:
             layout = self.shards[module](phase, slot, t)  # a local shard a TP style handed over
@@ -206,15 +208,15 @@ class Capture:
 
     def _share(self, entry: dict[str, Any], data: torch.Tensor, skey: str,
                dev_meta: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-        """Meta ``part``: this rank's share of the logical sample (record/parts.py), its values
-        gathered on the device and read back with the other device meta."""
+        """Meta ``part`` (and ``part_tp``): this rank's shares of the logical sample
+        (record/parts.py), their values gathered on the device and read back with the other
+        device meta."""
         if self.parts is None or (self.deferred and data.device.type in deferred.DEFERRED_TYPES):
             return dev_meta  # lazy/xla: a gather here would be a graph per step and rank (none kept)
-        got = self.parts.share_of(entry, data, skey)
-        if got is None:
-            return dev_meta
-        entry.setdefault("meta", {})["part"] = got[0]
-        return dict(dev_meta or {}, part_sample=got[1])
+        for name, (part, values) in zip(SHARES, self.parts.shares_of(entry, data, skey)):
+            entry.setdefault("meta", {})[name] = part
+            dev_meta = dict(dev_meta or {}, **{name + "_sample": values})
+        return dev_meta
 
     def take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
               copy: bool) -> tuple[Summary | None, torch.Tensor]:
@@ -338,8 +340,8 @@ def _apply_meta(pending: list[Pending], metas: list[tuple[int, str, torch.Tensor
             meta = pending[i].entry.setdefault("meta", {})
             meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
             meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
-        elif k == "part_sample":  # record/parts.py: this rank's share of the logical sample
-            pending[i].entry["meta"]["part"]["values"] = [x if math.isfinite(x) else repr(x) for x in v]
+        elif k.endswith("_sample") and k[:-7] in SHARES:  # record/parts.py: a share of the logical sample
+            pending[i].entry["meta"][k[:-7]]["values"] = [x if math.isfinite(x) else repr(x) for x in v]
         elif k == "logit_absmax":
             pending[i].entry.setdefault("meta", {})[k] = float(v[0])
         else:  # kink_profile: counts

@@ -94,8 +94,10 @@ class RecordConfig:
         target_hooks: called with the model after it is placed, before recording (fault
             injection in tests and benchmarks); if what it returns has ``set_step``, that is
             called with each step's number (a fault scheduled to begin at some step).
-        parallel: "ddp" or "fsdp" under torchrun: this rank into ``out/rank-<rank>``, replaying
-            the reference's ``rank-<rank>``.
+        parallel: "ddp", "fsdp", "tp" or "fsdp-tp" under torchrun (record/ranks.py): this rank
+            into ``out/rank-<rank>``, replaying the reference's ``rank-<rank>`` (of a reference
+            whose ranks hold the same batch parts; else its global batch).
+        tp_size: with parallel "fsdp-tp", the ranks of each tensor-parallel group (None: 2).
         dist_backend: with ``parallel``, the process-group backend by name (any registered with
             torch.distributed); None: the device's own (record/ranks.py ``choose_backend``).
         start: with ``replay`` a long reference (record/long.py): start at this step from its
@@ -136,6 +138,7 @@ class RecordConfig:
     target_hooks: Callable[[Any], Any] | None = None
     parallel: str | None = None
     dist_backend: str | None = None
+    tp_size: int | None = None
     start: int | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     compile: Mapping[str, Any] | None = None

@@ -68,10 +68,10 @@ def replayed_inputs(model: nn.Module, config: RecordConfig, n_steps: int,
         raise DriftcheckError(f"--replay {replay}: the replay file's input list is malformed; "
                               "re-record the reference")
     all_batches = joined if joined is not None else [decode_batch(d, tensors) for d in inputs]
-    if ranks.splits_batch(config.parallel) and "world_size" not in meta and world:
+    part = ranks.batch_part(config.parallel, rank or 0, world or 1, config.tp_size)
+    if part is not None and "world_size" not in meta and world:
         # a single-process reference, or the global batch of a multi-rank one
-        assert rank is not None
-        all_batches = [ranks.shard_batch(b, rank, world) for b in all_batches]
+        all_batches = [ranks.shard_batch(b, *part) for b in all_batches]
     if meta.get("cycle") or config.start:  # a long reference: from its replay point at `start`
         all_batches = segment(model, replay, meta, all_batches, config.start or 0, config.steps,
                               n_steps)
@@ -99,8 +99,9 @@ def new_inputs(model: nn.Module, scenario: Scenario, config: RecordConfig, n_ste
     replay_id = uuid.uuid4().hex
     if config.parallel:
         assert rank is not None and world is not None  # joined the group: record._join_ranks
-        if ranks.splits_batch(config.parallel):  # TP: every rank takes the whole batch
-            batches = [ranks.shard_batch(b, rank, world) for b in batches]
+        part = ranks.batch_part(config.parallel, rank, world, config.tp_size)
+        if part is not None:  # TP: every rank takes the whole batch
+            batches = [ranks.shard_batch(b, *part) for b in batches]
         replay_id = ranks.broadcast_str(replay_id if rank == 0 else None)  # before any hook
     tensors: dict[str, torch.Tensor] = {}
     descs = [encode_batch(b, input_prefix(i), tensors) for i, b in enumerate(batches)]
@@ -118,7 +119,8 @@ def new_inputs(model: nn.Module, scenario: Scenario, config: RecordConfig, n_ste
 def _joined_replay(run_dir: str | os.PathLike[str]
                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[Any]]:
     """Rank 0's replay (tensors, metadata) of a multi-rank reference, and the global batches:
-    each step's ranks' parts joined in rank order (the inverse of ranks.shard_batch)."""
+    each step's batch parts joined in order (the inverse of ranks.shard_batch; of ranks holding
+    the same part, the first)."""
     dirs = rank_dirs(run_dir)
     replays = [read_replay(d) for d in dirs.values()]
     tensors, meta = replays[0]
@@ -128,15 +130,29 @@ def _joined_replay(run_dir: str | os.PathLike[str]
     parts = [[decode_batch(d, t) for d in m.get("inputs", [])] for t, m in replays]
     if len({len(p) for p in parts}) != 1:
         raise DriftcheckError(f"--replay {run_dir}: its ranks hold different numbers of steps")
-    if not splits_batch_of(run_dir):  # tensor parallel: each rank holds the whole batch
+    held = batch_parts_of(run_dir)
+    if not held:  # tensor parallel: each rank holds the whole batch
         return tensors, meta, parts[0]
-    return tensors, meta, [ranks.join_batches(list(step)) for step in zip(*parts)]
+    first = [parts[held.index(i)] for i in range(max(held) + 1)]
+    return tensors, meta, [ranks.join_batches(list(step)) for step in zip(*first)]
 
 
-def splits_batch_of(run_dir: str | os.PathLike[str]) -> bool:
-    """Whether the ranks of a multi-rank record each hold a part of the batch (DDP, FSDP2), or
-    all of it (tensor parallel), as its rank 0's manifest says."""
+def batch_parts_of(run_dir: str | os.PathLike[str]) -> list[int]:
+    """Which part of the global batch each rank of a multi-rank record holds (rank order), as its
+    rank 0's manifest says; [] where every rank holds all of it (tensor parallel) or for a
+    single trace."""
     from driftcheck.store.reader import TraceReader
 
     dirs = rank_dirs(run_dir)
-    return not dirs or ranks.splits_batch(TraceReader(dirs[min(dirs)]).run.get("parallel") or "ddp")
+    if not dirs:
+        return []
+    run = TraceReader(dirs[min(dirs)]).run
+    tp = ((run.get("tensor_parallel") or {}).get("mesh") or {}).get("tp")
+    got = [ranks.batch_part(run.get("parallel") or "ddp", r, len(dirs), tp) for r in sorted(dirs)]
+    return [g[0] for g in got if g is not None]
+
+
+def splits_batch_of(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether the ranks of a multi-rank record each hold a part of the batch (DDP, FSDP2,
+    fsdp-tp), or all of it (tensor parallel), as its rank 0's manifest says."""
+    return not rank_dirs(run_dir) or bool(batch_parts_of(run_dir))

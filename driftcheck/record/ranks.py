@@ -14,7 +14,10 @@ reference, each rank taking its part of each batch (record/inputs.py).
 
 What each rank sees: the scenario's batch of every step is split along dim 0 into ``world_size``
 equal parts (rank ``r`` takes part ``r``), so the global batch is the single-process one; under
-``--parallel tp`` (record/tensor_parallel.py) every rank takes the whole batch instead. The
+``--parallel tp`` (record/tensor_parallel.py) every rank takes the whole batch instead; under
+``--parallel fsdp-tp`` (a 2-D mesh of ``world / tp`` data-parallel groups of ``tp`` ranks: the
+plan applied within each group, FSDP2 across them) rank ``r`` takes part ``r // tp`` of
+``world / tp`` (``batch_part``). The
 tracer hooks the inner module (module paths as without the wrapper), the training loop calls the
 wrapper. Hooks only copy local tensors, never communicate: FSDP's sharded parameters, gradients
 and optimizer state (DTensors) are recorded as this rank's local shard, and nothing a hook does
@@ -35,13 +38,41 @@ from torch import nn
 from driftcheck.errors import DriftcheckError
 from driftcheck.nested import flatten, substitute
 
-PARALLEL = ("ddp", "fsdp", "tp")
+PARALLEL = ("ddp", "fsdp", "tp", "fsdp-tp")
+DEFAULT_TP_SIZE = 2  # --parallel fsdp-tp's tensor-parallel group without --tp-size
 
 
 def splits_batch(parallel: str | None) -> bool:
-    """Whether the ranks of a ``parallel`` run each take a part of the batch (DDP, FSDP2) rather
-    than all of it (tensor parallel: every rank sees the whole batch)."""
-    return parallel in ("ddp", "fsdp")
+    """Whether the ranks of a ``parallel`` run each take a part of the batch (DDP, FSDP2, FSDP2
+    across tensor-parallel groups) rather than all of it (tensor parallel)."""
+    return parallel in ("ddp", "fsdp", "fsdp-tp")
+
+
+def batch_part(parallel: str | None, rank: int, world: int, tp: int | None = None
+               ) -> tuple[int, int] | None:
+    """(which part, of how many) of each global batch rank ``rank`` of ``world`` takes along dim
+    0: its own of ``world`` (DDP, FSDP2), its data-parallel group's of ``world / tp`` under
+    fsdp-tp (ranks ``g * tp`` to ``g * tp + tp - 1`` form group ``g``, as ``init_device_mesh``
+    lays out a (dp, tp) mesh); None: the whole batch (tensor parallel)."""
+    if not splits_batch(parallel):
+        return None
+    if parallel == "fsdp-tp":
+        size = mesh_shape(world, tp)[1]
+        return rank // size, world // size
+    return rank, world
+
+
+def mesh_shape(world: int, tp: int | None) -> tuple[int, int]:
+    """The (dp, tp) mesh of an fsdp-tp run of ``world`` ranks with tensor-parallel groups of
+    ``tp`` (default DEFAULT_TP_SIZE).
+
+    Raises:
+        DriftcheckError: one line: ``tp`` below 2 or not dividing ``world``."""
+    size = DEFAULT_TP_SIZE if tp is None else int(tp)
+    if size < 2 or world % size:
+        raise DriftcheckError(f"--tp-size {size} does not make a (data-parallel, tensor-parallel) "
+                              f"mesh of the {world} ranks: it must be at least 2 and divide them")
+    return world // size, size
 
 
 # -- recording ------------------------------------------------------------------------------------
@@ -125,10 +156,12 @@ def join_batches(parts: list[Any]) -> Any:
 
 
 def wrap(model: nn.Module, parallel: str, device: torch.device,
-         tp_plan: dict[str, Any] | None = None) -> nn.Module:
+         tp_plan: dict[str, Any] | None = None, tp_size: int | None = None) -> nn.Module:
     """The module the training loop calls: DDP around ``model``, or ``model`` itself after
-    ``fully_shard`` (FSDP2 shards it in place and keeps its module paths) or after the tensor-
-    parallel ``tp_plan`` (record/tensor_parallel.py)."""
+    ``fully_shard`` (FSDP2 shards it in place and keeps its module paths), after the tensor-
+    parallel ``tp_plan`` (record/tensor_parallel.py), or after both on a (dp, tp) mesh (the plan
+    on each data-parallel group's ``tp`` ranks, then ``fully_shard`` across the groups: FSDP2's
+    2-D layout, its parameters DTensors on both mesh dims)."""
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -141,6 +174,17 @@ def wrap(model: nn.Module, parallel: str, device: torch.device,
         from driftcheck.record.tensor_parallel import parallelize, plan_of
 
         return parallelize(model, plan_of(model, tp_plan, None), device)
+    if parallel == "fsdp-tp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from driftcheck.record.tensor_parallel import parallelize, plan_of
+
+        mesh = init_device_mesh(device.type, mesh_shape(dist.get_world_size(), tp_size),
+                                mesh_dim_names=("dp", "tp"))
+        parallelize(model, plan_of(model, tp_plan, None), device, mesh["tp"], mesh["dp"])
+        return cast(nn.Module, fully_shard(model, mesh=mesh["dp"]))
     raise DriftcheckError(f"--parallel must be one of {', '.join(PARALLEL)}, not {parallel!r}")
 
 

@@ -24,7 +24,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import dtypes
 from driftcheck.record import compilation, ranks, taps, tensor_parallel
 from driftcheck.record.config import RecordConfig
-from driftcheck.record.inputs import Inputs, new_inputs, replayed_inputs, splits_batch_of
+from driftcheck.record.inputs import Inputs, batch_parts_of, new_inputs, replayed_inputs
 from driftcheck.record.loop import train
 from driftcheck.record.metadata import run_metadata
 from driftcheck.record.parts import Parts
@@ -67,8 +67,10 @@ def record(scenario: Scenario, config: RecordConfig | str | os.PathLike[str], /,
     _refuse_combinations(config)
     ranks_ = Ranks()
     tp_plan = None
-    if config.parallel == "tp":  # before the process group: a model without a plan is bad input
+    if config.parallel in ("tp", "fsdp-tp"):  # before the group: a model without a plan is bad input
         tp_plan = tensor_parallel.plan_of(taps.unwrap(scenario.model), scenario.tp_plan, config.model_id)
+    if config.parallel == "fsdp-tp" and os.environ.get("WORLD_SIZE", "").isdigit():
+        ranks.mesh_shape(int(os.environ["WORLD_SIZE"]), config.tp_size)  # bad input before the group
     if config.parallel:
         config, device, ranks_ = _join_ranks(config, device)
     n_steps = int(config.steps if config.steps is not None else scenario.steps)
@@ -102,8 +104,11 @@ def _refuse_combinations(config: RecordConfig) -> None:
                               "--fp8, --simulate, --emulate and --view-audit (they run the model "
                               "eagerly or under a dispatch mode Dynamo does not trace)")
     if c.dist_backend and not c.parallel:
-        raise DriftcheckError("--dist-backend chooses the process group of --parallel ddp|fsdp|tp; "
+        raise DriftcheckError("--dist-backend chooses the process group of --parallel; "
                               "add --parallel or drop --dist-backend")
+    if c.tp_size is not None and c.parallel != "fsdp-tp":
+        raise DriftcheckError("--tp-size sets the tensor-parallel groups of --parallel fsdp-tp; "
+                              "add --parallel fsdp-tp or drop --tp-size")
     if c.parallel and (c.fp8 or c.local is not None or c.simulate or c.view_audit or c.emulate):
         raise DriftcheckError("--parallel records plain DDP/FSDP/TP runs: drop --fp8, --local, "
                               "--simulate, --emulate and --view-audit, or record a single process")
@@ -119,8 +124,9 @@ def _join_ranks(config: RecordConfig, device: torch.device
     # A reference of as many ranks that split the batch alike: this rank's trace. Else (a
     # single trace, another number of ranks, DDP/FSDP against TP) the reference's global batch,
     # of which this rank takes its part, or all of it under TP (inputs.py).
-    if replay is not None and len(rank_dirs(replay)) == world \
-            and splits_batch_of(replay) == ranks.splits_batch(config.parallel):
+    ours = [p[0] for p in (ranks.batch_part(config.parallel, r, world, config.tp_size)
+                           for r in range(world)) if p is not None]
+    if replay is not None and len(rank_dirs(replay)) == world and batch_parts_of(replay) == ours:
         src = rank_dir(replay, rank)
         if not src.is_dir():
             raise DriftcheckError(f"--replay {replay} has no {src.name}: its ranks are not "
@@ -165,7 +171,7 @@ def _prepare(model: nn.Module, scenario: Scenario, config: RecordConfig, user_co
 
         fp8_handle = fp8_mod.enable_fp8(model, fp8_mod.Fp8Recipe(config.fp8))
     hook = config.target_hooks(model) if config.target_hooks is not None else None
-    trained = ranks.wrap(model, config.parallel, device, tp_plan) if config.parallel else model
+    trained = ranks.wrap(model, config.parallel, device, tp_plan, config.tp_size) if config.parallel else model
     compile_ = dict(config.compile) if config.compile else None
     if compile_:
         trained = compilation.wrap(trained, compile_)
@@ -178,6 +184,17 @@ def _prepare(model: nn.Module, scenario: Scenario, config: RecordConfig, user_co
         load_point_optimizer(optimizer, config.replay, config.start)
     capturable = compilation.prepare_optimizer(optimizer, compile_)
     return _Model(trained, compiled, optimizer, fp8_handle, hook, capturable)
+
+
+def _tp_coordinate(config: RecordConfig, ranks_: Ranks) -> tuple[int, int] | None:
+    """(this rank's coordinate, size) of its tensor-parallel mesh; None without one."""
+    rank, world = ranks_.rank or 0, ranks_.world or 1
+    if config.parallel == "tp":
+        return rank, world
+    if config.parallel == "fsdp-tp":
+        size = ranks.mesh_shape(world, config.tp_size)[1]
+        return rank % size, size
+    return None
 
 
 def _phases(config: RecordConfig, scenario: Scenario, optimizer: Any) -> set[str]:
@@ -196,9 +213,9 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
     """Train the record's steps under the tracer and write the trace."""
     m = _prepare(model, scenario, config, user_compiled, device, tdtype, tp_plan)
     phases = _phases(config, scenario, m.optimizer)
-    # a rank's masks: its part of the global batch's (DDP, FSDP2), the whole batch's (TP)
-    dropout = DropoutControl(config.seed, ranks_.rank, ranks_.world) \
-        if ranks.splits_batch(config.parallel) else DropoutControl(config.seed)
+    # a rank's masks: its part of the global batch's (DDP, FSDP2, fsdp-tp), the whole batch's (TP)
+    part = ranks.batch_part(config.parallel, ranks_.rank or 0, ranks_.world or 1, config.tp_size)
+    dropout = DropoutControl(config.seed, *part) if part is not None else DropoutControl(config.seed)
     local_replay = _open_local(config.local, config.replay, inputs.replay_id, config.fp8, dropout) \
         if config.local is not None else None
     if local_replay is not None and config.compile:
@@ -212,9 +229,10 @@ def _run(scenario: Scenario, config: RecordConfig, model: nn.Module, user_compil
                         local=local_replay, compiled=m.compiled)
         if tp_plan:  # the activations the plan's styles hand over as local shards
             tracer.capture.shards = tensor_parallel.activation_layouts(model)
+        if config.parallel == "fsdp-tp":  # its DTensor activations: blocks of its group's batch part
+            tracer.capture.batch = part
         if (ranks_.world or 1) > 1 and config.mode != "full":  # each part's share of the logical sample
-            tracer.capture.parts = Parts(ranks_.rank or 0, ranks_.world or 1, ranks.splits_batch(config.parallel),
-                                         tracer.capture.seed)
+            tracer.capture.parts = Parts(part, _tp_coordinate(config, ranks_), tracer.capture.seed)
         tracer.step_index = config.start or 0
         tracer.attach()
         account = compilation.Account().start() if m.compiled else None
@@ -296,7 +314,7 @@ def _run_metadata(scenario: Scenario, config: RecordConfig, model: nn.Module, in
                        **({"rank": ranks_.rank, "world_size": ranks_.world, "parallel": c.parallel,
                            "backend": ranks_.backend} if c.parallel else {}),
                        **({"simulated_changes": contexts.fault.changes} if c.simulate else {}))
-    if c.parallel == "tp":
+    if c.parallel in ("tp", "fsdp-tp"):
         run["tensor_parallel"] = tensor_parallel.described(model)
     if c.emulate:
         run["emulation"] = {"backend": "tpu", "matmul_precision": c.emulate,

@@ -38,9 +38,10 @@ from driftcheck.errors import DriftcheckError
 STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "embedding_rowwise",
                "replicated_with_grad_allreduce")
 
-# model -> ({module path: style}, mesh size, this rank's coordinate): what parallelize applied
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[dict[str, Any], int, int]] = \
-    weakref.WeakKeyDictionary()
+# model -> ({module path: style}, (tensor-parallel ranks, this rank's coordinate), (data-parallel
+# groups, this rank's group) or None): what parallelize applied
+_APPLIED: weakref.WeakKeyDictionary[
+    nn.Module, tuple[dict[str, Any], tuple[int, int], tuple[int, int] | None]] = weakref.WeakKeyDictionary()
 
 _DESCRIBED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -164,30 +165,37 @@ def _check_divisible(name: str, module: nn.Module, style: Any, world: int) -> No
                               f"the {world} ranks; run with a number of ranks that divides it")
 
 
-def parallelize(model: nn.Module, plan: dict[str, Any], device: torch.device) -> nn.Module:
-    """Apply ``plan`` (``plan_of``) to ``model`` in place on a 1-D mesh of every rank; returns
-    the model (its module paths unchanged)."""
+def parallelize(model: nn.Module, plan: dict[str, Any], device: torch.device, mesh: Any = None,
+                dp_mesh: Any = None) -> nn.Module:
+    """Apply ``plan`` (``plan_of``) to ``model`` in place on ``mesh`` (a 1-D device mesh; None:
+    one of every rank); ``dp_mesh``: the data-parallel dim of fsdp-tp's 2-D mesh, whose
+    coordinate says which part of the batch this rank's activations hold. Returns the model
+    (its module paths unchanged)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    world = dist.get_world_size()
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = mesh.size()
     styles, tied = resolve(model, plan, world)
     if not styles:
         raise DriftcheckError("tp_plan: every module it names shares a parameter with another "
                               f"module ({', '.join(f'{k}: {v}' for k, v in tied.items())}): nothing "
                               "left to shard; untie them")
-    mesh = init_device_mesh(device.type, (world,))
     parallelize_module(model, mesh, styles)
-    _APPLIED[model] = (styles, world, mesh.get_local_rank())
+    _APPLIED[model] = (styles, (world, mesh.get_local_rank()),
+                       (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else None)
     _DESCRIBED[model] = {"plan": {n: _style_name(st) for n, st in styles.items()},
-                         **({"replicated_tied": tied} if tied else {})}
+                         **({"replicated_tied": tied} if tied else {}),
+                         **({"mesh": {"dp": dp_mesh.size(), "tp": world}} if dp_mesh is not None else {})}
     return model
 
 
 def described(model: nn.Module) -> dict[str, Any] | None:
     """The run metadata ``tensor_parallel`` of a model ``parallelize`` sharded: ``plan`` (module
-    path: the style's class), ``replicated_tied`` (the modules left out: the tied parameter)."""
+    path: the style's class), ``replicated_tied`` (the modules left out: the tied parameter),
+    under fsdp-tp ``mesh`` ({"dp": data-parallel groups, "tp": ranks in each})."""
     return _DESCRIBED.get(model)
 
 
@@ -203,12 +211,12 @@ def activation_layouts(model: nn.Module) -> dict[str, Layout]:
     applied = _APPLIED.get(model)
     if applied is None:
         return {}
-    styles, world, rank = applied
+    styles, tp, dp = applied
     out: dict[str, Layout] = {}
     for name, style in styles.items():
         sides = sharded_sides(style)
         if sides:
-            out[name] = _layout_fn(sides, world, rank)
+            out[name] = _layout_fn(sides, tp, dp)
     return out
 
 
@@ -229,13 +237,25 @@ def sharded_sides(style: Any) -> tuple[str, ...]:
     return tuple(sides)
 
 
-def _layout_fn(sides: tuple[str, ...], world: int, rank: int) -> Layout:
+def _layout_fn(sides: tuple[str, ...], tp: tuple[int, int], dp: tuple[int, int] | None) -> Layout:
+    """The layout of a style's local shard along the last dim on the tensor-parallel mesh
+    (``tp``: its size, this rank's coordinate); under fsdp-tp (``dp``: the data-parallel groups,
+    this rank's) also this group's part of the batch along dim 0: a block of a (dp, tp) mesh."""
     prefixes = tuple(sides) + tuple("grad_" + s for s in sides)
+    (world, rank) = tp
 
     def layout(phase: str, slot: str, t: torch.Tensor) -> dict[str, Any] | None:
         if phase not in ("forward", "backward") or t.dim() == 0 or not slot.startswith(prefixes):
             return None
         d = t.dim() - 1
-        return {"placements": [f"S{d}"], "mesh": [world], "coord": [rank],
-                "global_shape": [*t.shape[:-1], t.shape[-1] * world]}
+        if dp is None:
+            return {"placements": [f"S{d}"], "mesh": [world], "coord": [rank],
+                    "global_shape": [*t.shape[:-1], t.shape[-1] * world]}
+        if d == 0:  # no batch dim besides the sharded one: not a block of the 2-D mesh
+            return None
+        groups, group = dp
+        shape = [t.shape[0] * groups, *t.shape[1:-1], t.shape[-1] * world]
+        offset = [group * t.shape[0], *([0] * (d - 1)), rank * t.shape[-1]]
+        return {"placements": ["S0", f"S{d}"], "mesh": [groups, world], "coord": [group, rank],
+                "global_shape": shape, "offset": offset, "batch": True}
     return layout

@@ -301,6 +301,52 @@ def _check_meta(i: int, meta: Any) -> None:
         raise FormatError(f"manifest entry {i} meta 'sampled_as' is not \"params\"")
     if meta.get("selection") is not None and not isinstance(meta["selection"], bool):
         raise FormatError(f"manifest entry {i} meta 'selection' is not true or false")
+    _check_layouts(i, meta)
+
+
+# A multi-rank entry's place in the logical tensor (docs/trace-format.md, "Layouts"): meta
+# ``layout`` (a DTensor's or a tensor-parallel style's) and its shares of the logical sample
+_PLACEMENT = re.compile(r"^(S\d{1,2}|R|P)$")
+SHARES = ("part", "part_tp")  # the meta names of a stats-mode entry's shares, likeliest first
+
+
+def block_of(part: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(logical shape, offset along each dim) of a meta ``part`` of either form: ``offset``, or
+    (traces before blocks) a range along ``dim`` from ``start``."""
+    logical = [int(x) for x in part["global_shape"]]
+    if part.get("offset") is not None:
+        return logical, [int(x) for x in part["offset"]]
+    offset = [0] * len(logical)
+    if logical:
+        offset[int(part["dim"])] = int(part["start"])
+    return logical, offset
+
+
+def _ints(v: Any, n: int | None = None) -> bool:
+    return isinstance(v, list) and len(v) <= 16 and (n is None or len(v) == n) \
+        and all(_is_int(x) and 0 <= x < 2**53 for x in v)
+
+
+def _check_layouts(i: int, meta: dict[str, Any]) -> None:
+    lay = meta.get("layout")
+    if lay is not None and not (
+            isinstance(lay, dict) and isinstance(lay.get("placements"), list)
+            and all(isinstance(p, str) and _PLACEMENT.match(p) for p in lay["placements"])
+            and _ints(lay.get("mesh"), len(lay["placements"])) and _ints(lay.get("global_shape"))
+            and (lay.get("coord") is None or _ints(lay["coord"], len(lay["placements"])))
+            and (lay.get("offset") is None or _ints(lay["offset"], len(lay["global_shape"])))):
+        raise FormatError(f"manifest entry {i} meta 'layout' is not placements, mesh, coord, "
+                          "global_shape and offset of one tensor")
+    for k in SHARES:
+        part = meta.get(k)
+        if part is not None and not (
+                isinstance(part, dict) and _ints(part.get("global_shape"))
+                and (_ints(part.get("offset"), len(part["global_shape"])) if part.get("offset") is not None
+                     else _is_int(part.get("dim")) and 0 <= part["dim"] < max(len(part["global_shape"]), 1)
+                     and _is_int(part.get("start")) and part["start"] >= 0)
+                and isinstance(part.get("values", []), list)):
+            raise FormatError(f"manifest entry {i} meta {k!r} is not a logical shape, its block's "
+                              "offset and values")
 
 
 def json_safe(obj: Any, default: Callable[[Any], Any] | None = None) -> Any:

@@ -31,10 +31,11 @@ def _ranks(whole: torch.Tensor, phase: str, world: int, *, parallel: str, layout
              "shape": list(t.shape), "stats": _stats(t), "meta": meta}
         if phase == "backward":
             e["slot"] = "grad_input.0"
-        parts = Parts(r, world, parallel in ("ddp", "fsdp"), SEED)
-        got = parts.share_of(e, t, key)
-        if got is not None:
-            e["meta"]["part"] = dict(got[0], values=got[1].double().tolist())
+        parts = Parts((r, world) if parallel in ("ddp", "fsdp") else None,
+                      (r, world) if parallel == "tp" else None, SEED)
+        got = parts.shares_of(e, t, key)
+        if got:
+            e["meta"]["part"] = dict(got[0][0], values=got[0][1].double().tolist())
         group.append(e)
         samples.append(tstats.sample_of(t, key, SEED))
     return key, group, samples
@@ -116,10 +117,12 @@ def test_what_cannot_be_rebuilt_is_one_line():
 
 def test_parts_of_shards_and_combined_statistics():
     assert dtensor_part({"placements": ["S0"], "mesh": [4], "coord": [3], "global_shape": [10, 2]}, [1, 2]) \
-        == ([10, 2], 0, 9)  # torch's chunks: 3, 3, 3, 1
+        == ([10, 2], [9, 0])  # torch's chunks: 3, 3, 3, 1
     assert dtensor_part({"placements": ["R"], "mesh": [2], "coord": [0], "global_shape": [4]}, [4]) is None
     assert dtensor_part({"placements": ["S0", "S1"], "mesh": [2, 2], "coord": [0, 1], "global_shape": [4, 4]},
-                        [2, 2]) is None  # 2-D meshes: no part
+                        [2, 2]) is None  # a 2-D mesh without its block's offset: no part
+    assert dtensor_part({"placements": ["S0", "S1"], "mesh": [2, 2], "coord": [0, 1], "global_shape": [4, 4],
+                         "offset": [0, 2]}, [2, 2]) == ([4, 4], [0, 2])
     a = torch.tensor([1.0, float("nan"), 3.0])
     b = torch.tensor([-2.0, float("inf")])
     got, single = combined([_stats(a), _stats(b)]), _stats(torch.cat([a, b]))

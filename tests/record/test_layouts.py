@@ -81,7 +81,7 @@ def test_a_single_fp32_reference_against_2_rank_fsdp2_bf16_passes_and_a_fault_is
     r1 = TraceReader(rank_dirs(runs / "fsdp-bf16")[1])
     w = next(e for e in r1.entries if e["key"] == "0/params/0/0/param.weight")
     assert w["shape"] == [8, 8] and w["meta"]["layout"] == {
-        "placements": ["S0"], "mesh": [2], "coord": [1], "global_shape": [16, 8]}
+        "placements": ["S0"], "mesh": [2], "coord": [1], "global_shape": [16, 8], "offset": [8, 0]}
     report = compare_ranks(runs / "ref", runs / "fsdp-bf16")
     assert report.verdict == "pass"
     # the gradients were reduce-scattered across the 2 ranks in bf16: their floors allow it

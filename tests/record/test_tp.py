@@ -67,7 +67,7 @@ def test_each_rank_records_its_shards_with_their_layout(runs):
     assert e["0/forward/./0/input.idx"]["shape"] == [2, 16] and layout("0/forward/./0/input.idx") is None
     # parameters, their gradients and optimizer state: DTensor shards
     assert layout("0/params/layers.0.attn.q_proj/0/param.weight") == {
-        "placements": ["S0"], "mesh": [2], "coord": [1], "global_shape": [64, 64]}
+        "placements": ["S0"], "mesh": [2], "coord": [1], "global_shape": [64, 64], "offset": [32, 0]}
     assert layout("0/grads/layers.0.attn.o_proj/0/param.weight")["placements"] == ["S1"]
     assert layout("0/optimizer/layers.0.mlp.down_proj/0/state.weight.exp_avg")["placements"] == ["S1"]
     # a colwise output and its gradient, a rowwise input and its gradient: local shards of the
@@ -76,7 +76,9 @@ def test_each_rank_records_its_shards_with_their_layout(runs):
                               ("0/backward/layers.0.attn.k_proj/0/grad_output", [2, 16, 16], [2, 16, 32]),
                               ("0/forward/layers.0.mlp.down_proj/0/input.0", [2, 16, 96], [2, 16, 192]),
                               ("0/backward/layers.0.mlp.down_proj/0/grad_input.0", [2, 16, 96], [2, 16, 192])):
-        assert e[key]["shape"] == shape and layout(key) == {
+        got = dict(layout(key))
+        assert got.pop("offset", [0, 0, shape[-1]]) == [0, 0, shape[-1]], key  # a DTensor's: its block's
+        assert e[key]["shape"] == shape and got == {
             "placements": ["S2"], "mesh": [2], "coord": [1], "global_shape": whole}, key
     # replicated: the norms, the all-reduced outputs, the loss
     for key in ("0/params/norm/0/param.weight", "0/forward/layers.0.mlp.down_proj/0/output",
