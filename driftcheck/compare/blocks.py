@@ -21,6 +21,7 @@ exactly and their shares of the logical sample fill it (record/parts.py), as for
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -74,11 +75,46 @@ def candidates(x: list[int], kind: tuple[int, int]) -> list[list[int]]:
     return out + [list(x)]
 
 
-def logical_shape(x: list[int], kind_a: tuple[int, int], y: list[int], kind_b: tuple[int, int]) -> list[int]:
-    """The logical shape of a key whose ranks hold ``x`` on one side and ``y`` on the other:
-    the likeliest of one side's candidates that is also one of the other's; else ``x``."""
+def logical_shape(x: list[int], kind_a: tuple[int, int], y: list[int], kind_b: tuple[int, int],
+                  copies: Callable[[], bool | None] | None = None) -> list[int]:
+    """The logical shape of a key whose ranks hold ``x`` on one side and ``y`` on the other: the
+    one of one side's candidates that is also one of the other's; else ``x``. Where several are
+    (both sides split along a tensor-parallel dim: an activation outside the plan may be a part
+    there, or a copy on every rank of the group), ``copies()`` says which: whether a side's
+    tensor-parallel ranks hold equal copies (None: not known, the copy taken)."""
     other = candidates(y, kind_b)
-    return next((c for c in candidates(x, kind_a) if c in other), list(x))
+    common = [c for c in candidates(x, kind_a) if c in other]
+    if not common:
+        return list(x)
+    if len(common) > 1:
+        whole = [c for c in common if c[1:] == x[1:]]  # the batch part or the tensor itself
+        split = [c for c in common if c[1:] != x[1:]]  # also a part along a tensor-parallel dim
+        if whole and split:
+            return split[0] if copies is not None and copies() is False else whole[0]
+    return common[0]
+
+
+class Copies:
+    """Whether the first two ranks of a tensor-parallel group (ranks 0 and 1 of a ``tp`` or an
+    fsdp-tp run) hold equal copies of an entry: its tensors, or in stats mode its statistics and
+    samples; None where either lacks it. ``logical_shape``'s tie-break."""
+
+    def __init__(self, dirs: dict[int, Any]) -> None:
+        from driftcheck.store.reader import TraceReader
+
+        self.readers = [TraceReader(dirs[r]) for r in (0, 1)]
+        self.by_key = [{e["key"]: e for e in r.entries} for r in self.readers]
+
+    def __call__(self, key: str) -> bool | None:
+        got_pair = [k.get(key) for k in self.by_key]
+        pair = [e for e in got_pair if e is not None]
+        if len(pair) < 2 or pair[0]["shape"] != pair[1]["shape"]:
+            return None
+        which = "tensor" if all(e.get("tensor") for e in pair) else "sample"
+        got = [r.tensor(e, which) for r, e in zip(self.readers, pair)]
+        if got[0] is None or got[1] is None:
+            return None
+        return bool(torch.equal(got[0], got[1])) and (which == "tensor" or pair[0]["stats"] == pair[1]["stats"])
 
 
 def plan(entries: list[Entry], shapes: list[list[int]], expect: list[int] | None,
@@ -90,6 +126,14 @@ def plan(entries: list[Entry], shapes: list[list[int]], expect: list[int] | None
     layout = (e.get("meta") or {}).get("layout")
     if layout:
         summed = "P" in layout.get("placements", [])
+        if summed and (layout["placements"].count("P") > 1 or "R" in layout["placements"]):
+            raise DriftcheckError(f"{key}: a partial sum on a mesh of shape {layout.get('mesh')} with "
+                                  f"placements {layout['placements']} (partial or replicated along "
+                                  "another mesh dim): not rebuilt; record with --parallel fsdp or tp")
+        if kind[0] > 1 and kind[1] > 1 and phase in ("forward", "backward") and len(layout.get("mesh") or []) == 1:
+            raise DriftcheckError(f"{key}: an fsdp-tp activation whose layout (placements "
+                                  f"{layout.get('placements')}) is not a block of the 2-D mesh: not "
+                                  "rebuilt; record with --parallel fsdp or tp")
         if layout.get("offset") is None:
             if summed:
                 raise DriftcheckError(f"{key}: a partial sum on a mesh of shape {layout.get('mesh')} "
@@ -159,8 +203,9 @@ def distinct(p: Plan, group: list[Entry]) -> list[Entry]:
 
 
 def stats(p: Plan, group: list[Entry], seed: int, dtype: torch.dtype
-          ) -> tuple[dict[str, Any], torch.Tensor, bool]:
-    """(statistics, sample, whether the statistics are estimated from the sample) of the logical
+          ) -> tuple[dict[str, Any], torch.Tensor, bool, bool]:
+    """(statistics, sample, whether the statistics are estimated from the sample, whether the
+    ranks that hold copies of one block kept equal shares and statistics) of the logical
     stats-mode entry of the ranks' blocks: the distinct blocks' statistics combined exactly and
     their shares of the logical sample put together; blocks of partial sums: their shares summed,
     the statistics estimated from the sample (compare/parts.py ``estimated``)."""
@@ -171,13 +216,15 @@ def stats(p: Plan, group: list[Entry], seed: int, dtype: torch.dtype
     blocks: dict[tuple[int, ...], list[Entry]] = {}
     for g, offset in zip(group, p.offsets):
         blocks.setdefault(tuple(offset), []).append(g)
+    same = True
     for off, gs in blocks.items():
         _region(e["key"], list(off), list(gs[0]["shape"]), p.shape)
         j, _ = tstats.part_positions(key, seed, p.shape, list(off), list(gs[0]["shape"]))
+        if not p.summed:
+            same = same and all(g["stats"] == gs[0]["stats"] and _share(g, p.shape, off) == _share(gs[0], p.shape, off)
+                                for g in gs[1:])
         for g in gs if p.summed else gs[:1]:
-            meta = g.get("meta") or {}
-            share = next((meta[n] for n in SHARES if meta.get(n) and "values" in meta[n]
-                          and block_of(meta[n]) == (p.shape, list(off))), None)
+            share = _share(g, p.shape, off)
             if share is None:
                 raise DriftcheckError(
                     f"{e['key']}: a rank's stats-mode entry holds no share of the logical sample of "
@@ -198,8 +245,15 @@ def stats(p: Plan, group: list[Entry], seed: int, dtype: torch.dtype
         got = cparts.estimated(sample, math.prod(p.shape))
         for k in ("nan", "inf"):  # a sum's non-finite elements: at least any rank's
             got[k] = max(got[k], *(int(g["stats"].get(k) or 0) for g in group))
-        return got, sample, True
-    return cparts.combined([g["stats"] for g in firsts], 1.0 / p.batch), sample, False
+        return got, sample, True, same
+    return cparts.combined([g["stats"] for g in firsts], 1.0 / p.batch), sample, False, same
+
+
+def _share(g: Entry, shape: list[int], offset: tuple[int, ...]) -> dict[str, Any] | None:
+    """The rank's share (meta ``part`` or ``part_tp``) of the block at ``offset`` of ``shape``."""
+    meta = g.get("meta") or {}
+    return next((meta[n] for n in SHARES if meta.get(n) and "values" in meta[n]
+                 and block_of(meta[n]) == (shape, list(offset))), None)
 
 
 def _region(key: str, offset: list[int], shape: list[int], logical: list[int]) -> tuple[slice, ...]:

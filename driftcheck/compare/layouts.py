@@ -35,9 +35,11 @@ of the logical sample, kept at record time (record/parts.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ import torch
 from driftcheck.compare import blocks, parts
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
-from driftcheck.store.layout import rank_dirs
+from driftcheck.store.layout import complete_ranks, rank_dirs
 from driftcheck.store.reader import TraceReader
 from driftcheck.store.writer import TraceWriter
 
@@ -58,18 +60,19 @@ _SUM_META = ("kink_profile", "decision_profile", "round_profile", "host_decision
 
 
 def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: Any) -> Any:
-    """Compare two traces of different layouts (a single trace and a multi-rank run directory,
-    two multi-rank runs of different rank counts or of DDP and FSDP2): each multi-rank side
-    rebuilt into one logical trace, then ``compare``. The report's run metadata of such a side
-    says ``world_size`` and ``layout: "logical"``; warnings of the rebuilding come first."""
+    """Compare two traces of different layouts (1 rank against N, N against M, DDP, FSDP2, TP or
+    fsdp-tp against another): each multi-rank side rebuilt into one logical trace, then ``compare``;
+    such a side's run metadata says ``world_size`` and ``layout: "logical"``, its warnings first."""
     from driftcheck.compare import compare
 
     truth = kwargs.pop("truth", None)
-    dirs = [rank_dirs(ref), rank_dirs(target)]
+    dirs = [complete_ranks(ref), complete_ranks(target)]
     firsts = [TraceReader(d[min(d)] if d else side) for d, side in zip(dirs, (ref, target))]
-    expect = logical_shapes(*((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp",
-                               blocks.kind_of(r.run, len(d)) if r.run.get("parallel") == "fsdp-tp" else None)
-                              for r, d in zip(firsts, dirs)))
+    split = [d for r, d in zip(firsts, dirs) if blocks.kind_of(r.run, len(d))[1] > 1]  # along tp
+    a, b = ((_shapes(r), len(d) or 1, r.run.get("parallel") == "tp",
+             blocks.kind_of(r.run, len(d)) if r.run.get("parallel") == "fsdp-tp" else None)
+            for r, d in zip(firsts, dirs))
+    expect = logical_shapes(a, b, copies=blocks.Copies(split[0]) if split else None)
     warnings = [f"{side}: recorded by {r.run.get('driver') or 'driftcheck.trace()'}, whose ranks may "
                 "not hold contiguous parts of one global batch in rank order (as driftcheck record "
                 "--parallel splits it); the logical tensors assume they do"
@@ -96,14 +99,16 @@ def compare_layouts(ref: str | os.PathLike, target: str | os.PathLike, **kwargs:
     return report
 
 
-def logical_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[str, list[int]]:
+def logical_shapes(a: tuple[Any, ...], b: tuple[Any, ...],
+                   copies: Callable[[str], bool | None] | None = None) -> dict[str, list[int]]:
     """The logical shape of every key both sides have, from each side's (shapes of rank 0 or
     of the single trace, number of ranks; 1: a single trace[, tensor parallel]): a single
     trace's shape; else the batch slice joined (dim 0 times the ranks) where the slices of the
     two sides say so (the same world size: always, the two sides then join alike). A tensor-
     parallel side holds the whole batch; an activation of it outside the plan may be a part
     along one other dim (``_tp_shape``). An fsdp-tp side (its (dp, tp) mesh given after the
-    tensor-parallel flag) holds blocks: compare/blocks.py ``logical_shape``."""
+    tensor-parallel flag) holds blocks: compare/blocks.py ``logical_shape`` (``copies``: whether
+    a tensor-parallel side's ranks hold copies of a key)."""
     (sa, na, *ta), (sb, nb, *tb) = a, b
     tp_a, tp_b = bool(ta and ta[0]), bool(tb and tb[0])
     mesh_a, mesh_b = (ta[1] if len(ta) > 1 else None), (tb[1] if len(tb) > 1 else None)
@@ -112,7 +117,8 @@ def logical_shapes(a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[str, list[int
         x, y = list(sa[k]), list(sb[k])
         if mesh_a or mesh_b:
             out[k] = blocks.logical_shape(x, mesh_a or ((1, na) if tp_a else (na, 1)),
-                                          y, mesh_b or ((1, nb) if tp_b else (nb, 1)))
+                                          y, mesh_b or ((1, nb) if tp_b else (nb, 1)),
+                                          functools.partial(copies, k) if copies is not None else None)
         elif tp_a or tp_b:
             out[k] = _tp_shape(x, na, tp_a, y, nb, tp_b)
         elif na == 1 or nb == 1:
@@ -206,10 +212,12 @@ def _stats_entry(writer: TraceWriter, readers: list[TraceReader], group: list[di
         if how == "blocks":
             plan = blocks.plan(group, [g["shape"] for g in group], expect, kind)
             shape = plan.shape
-            stats, sample, estimated = blocks.stats(plan, group, seed, samples[0].dtype)  # type: ignore[union-attr]
+            stats, sample, estimated, same = blocks.stats(plan, group, seed, samples[0].dtype)  # type: ignore[union-attr]
+            how = "blocks" if same else "blocks-differ"
         else:
             shape, stats, sample, estimated = parts.logical(group, samples, how, seed, expect)  # type: ignore[arg-type]
-    warnings = []
+    warnings = [f"{e['key']}: ranks holding the same block differ; the first's is compared"] \
+        if how == "blocks-differ" else []
     if how == "replicated-differs" or (how == "replicated" and not all(
             torch.equal(samples[0], s) for s in samples[1:])):  # type: ignore[arg-type]
         warnings.append(f"{e['key']}: the ranks' copies differ; rank 0's is compared")
@@ -355,7 +363,8 @@ def _entry(e: dict[str, Any], group: list[dict[str, Any]], t: torch.Tensor | Non
         plan = blocks.plan(group, [g["shape"] for g in group], expect, kind)
         if e["phase"] == "grads" and kind[0] > 1:  # summed over the data-parallel groups
             meta["rank_split"] = kind[0]
-        if plan.shape and plan.shape[0] != group[0]["shape"][0] and e["phase"] in ("forward", "backward"):
+        if kind[0] > 1 and plan.shape and plan.shape[0] != group[0]["shape"][0] \
+                and e["phase"] in ("forward", "backward"):
             combine = blocks.distinct(plan, group)
             meta["batch_parts"] = [int(g["shape"][0]) for g, o in zip(group, plan.offsets)
                                    if any(g is c for c in combine) and not any(o[1:])]

@@ -11,7 +11,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.gate.report import Report
 from driftcheck.store import format as fmt
 from driftcheck.store.keys import TraceKey
-from driftcheck.store.layout import rank_dir, rank_dirs
+from driftcheck.store.layout import complete_ranks, rank_dir, rank_dirs
 
 
 def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: Any) -> Any:
@@ -25,7 +25,7 @@ def compare_ranks(ref: str | os.PathLike, target: str | os.PathLike, **kwargs: A
     """
     from driftcheck.compare import compare
 
-    refs, tgts = rank_dirs(ref), rank_dirs(target)
+    refs, tgts = complete_ranks(ref), complete_ranks(target)
     if different_layouts(ref, target):  # judged as one logical tensor per entry
         from driftcheck.compare.layouts import compare_layouts
 
@@ -84,7 +84,9 @@ def different_layouts(ref: str | os.PathLike, target: str | os.PathLike) -> bool
         return bool(refs or Path(ref).is_dir()) and bool(tgts or Path(target).is_dir())
     if set(refs) != set(tgts):
         return True
-    return TraceReader(refs[min(refs)]).run.get("parallel") != TraceReader(tgts[min(tgts)]).run.get("parallel")
+    runs = [TraceReader(d[min(d)]).run for d in (refs, tgts)]
+    meshes = [(r.get("tensor_parallel") or {}).get("mesh") for r in runs]  # fsdp-tp's --tp-size
+    return runs[0].get("parallel") != runs[1].get("parallel") or meshes[0] != meshes[1]
 
 
 def whole_errors(refs: dict[int, Any], tgts: dict[int, Any]) -> dict[TraceKey, tuple[float, float]]:

@@ -213,7 +213,7 @@ class Capture:
         device meta."""
         if self.parts is None or (self.deferred and data.device.type in deferred.DEFERRED_TYPES):
             return dev_meta  # lazy/xla: a gather here would be a graph per step and rank (none kept)
-        for name, (part, values) in zip(SHARES, self.parts.shares_of(entry, data, skey)):
+        for name, part, values in self.parts.shares_of(entry, data, skey):
             entry.setdefault("meta", {})[name] = part
             dev_meta = dict(dev_meta or {}, **{name + "_sample": values})
         return dev_meta

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from driftcheck.numerics import stats as tstats
+from driftcheck.store.format import SHARES
 
 Part = tuple[list[int], list[int]]  # (logical shape, offset of the block along each dim)
 
@@ -74,13 +75,15 @@ class Parts:
         return out
 
     def shares_of(self, entry: dict[str, Any], data: torch.Tensor, skey: str
-                  ) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        """[(meta ``part``, its values gathered from ``data`` on its device)] of an entry: one a
-        possible part (``of``) that is not small enough to be sampled whole (its parts are then
-        whole in their own samples). Which positions the values are at, compare computes again
-        (numerics/stats.py ``part_positions``)."""
+                  ) -> list[tuple[str, dict[str, Any], torch.Tensor]]:
+        """[(meta name, meta ``part``, its values gathered from ``data`` on its device)] of an
+        entry: one a possible part (``of``: the first ``part``, the second ``part_tp``) that is
+        not small enough to be sampled whole (its parts are then whole in their own samples).
+        Which positions the values are at, compare computes again (numerics/stats.py
+        ``part_positions``)."""
         out = []
-        for logical, offset in self.of(entry["phase"], entry["shape"], (entry.get("meta") or {}).get("layout")):
+        found = self.of(entry["phase"], entry["shape"], (entry.get("meta") or {}).get("layout"))
+        for name, (logical, offset) in zip(SHARES, found):
             if math.prod(logical) <= tstats.SAMPLE_SIZE or len(logical) != len(entry["shape"]):
                 continue
             _, idx = tstats.part_positions(skey, self.seed, logical, offset, entry["shape"])
@@ -89,7 +92,7 @@ class Parts:
                 index = index.pin_memory().to(data.device, non_blocking=True)
             elif data.device.type != "cpu":
                 index = index.to(data.device)
-            out.append((part_meta(logical, offset, entry["shape"]), data.reshape(-1)[index]))
+            out.append((name, part_meta(logical, offset, entry["shape"]), data.reshape(-1)[index]))
         return out
 
 

@@ -2,6 +2,7 @@
 directory (reference, target, truth and the reports)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -41,6 +42,34 @@ def rank_dirs(run_dir: str | os.PathLike) -> dict[int, Path]:
     found = {int(m.group(1)): c for c in p.iterdir()
              if c.is_dir() and not c.is_symlink() and (m := RANK_DIR.match(c.name))}
     return dict(sorted(found.items()))
+
+
+def complete_ranks(run_dir: str | os.PathLike) -> dict[int, Path]:
+    """``rank_dirs``, checked to be a whole run: ranks 0 to N-1, N the ``world_size`` their
+    manifests say.
+
+    Raises:
+        DriftcheckError: one line naming the missing rank (or the rank whose record did not
+            finish)."""
+    dirs = rank_dirs(run_dir)
+    if not dirs:
+        return dirs
+    worlds = set()
+    for r, d in dirs.items():
+        try:
+            run = json.loads((d / fmt.MANIFEST).read_text()).get("run") or {}
+        except (OSError, ValueError, AttributeError):
+            raise DriftcheckError(f"{d} holds no readable manifest: rank {r}'s record did not finish "
+                                  "(or its trace is corrupt); record the run again") from None
+        if isinstance(run, dict) and isinstance(run.get("world_size"), int):
+            worlds.add(run["world_size"])
+    world = max([*worlds, max(dirs) + 1])
+    missing = [r for r in range(world) if r not in dirs]
+    if missing:
+        raise DriftcheckError(f"{run_dir}: rank-{missing[0]} is missing (the run had {world} ranks, "
+                              f"the directory holds {', '.join(f'rank-{r}' for r in dirs)}); "
+                              "copy the whole run directory, or record it again")
+    return dirs
 
 
 def is_multirank(run_dir: str | os.PathLike) -> bool:

@@ -35,7 +35,7 @@ def _ranks(whole: torch.Tensor, phase: str, world: int, *, parallel: str, layout
                       (r, world) if parallel == "tp" else None, SEED)
         got = parts.shares_of(e, t, key)
         if got:
-            e["meta"]["part"] = dict(got[0][0], values=got[0][1].double().tolist())
+            e["meta"]["part"] = dict(got[0][1], values=got[0][2].double().tolist())
         group.append(e)
         samples.append(tstats.sample_of(t, key, SEED))
     return key, group, samples

@@ -5,7 +5,9 @@ gradients and optimizer state are DTensors on both mesh dims (strided shards), r
 their block's offset; compare rebuilds one logical trace from the blocks (compare/blocks.py)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -189,3 +191,66 @@ def test_a_tp_size_that_does_not_divide_the_ranks_is_one_line_exit_2(runs):
                               timeout=120, cwd=runs, env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", **env))
         assert proc.returncode == 2, proc.stderr
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_where_shapes_cannot_tell_a_copy_from_a_part_the_ranks_values_do(runs):
+    """Both sides split along a tensor-parallel dim (fsdp-tp against TP): an activation outside
+    the plan of [1, 16, 96] on a 2x2 rank and [2, 16, 96] on a TP rank is either each group's
+    copy or each rank's half of [2, 16, 192]; whether the first two ranks hold equal values says
+    which, the same whichever side is the reference."""
+    for copies, want in ((False, [2, 16, 192]), (True, [2, 16, 96]), (None, [2, 16, 96])):
+        assert blocks.logical_shape([1, 16, 96], (2, 2), [2, 16, 96], (1, 2), lambda c=copies: c) == want
+        assert blocks.logical_shape([2, 16, 96], (1, 2), [1, 16, 96], (2, 2), lambda c=copies: c) == want
+    probe = blocks.Copies(rank_dirs(runs / "bf16-full"))
+    assert probe("0/forward/layers.0.mlp/0/output") is True  # all-reduced: a copy on both ranks
+    assert probe("0/forward/layers.0.mlp.up_proj/0/output") is False  # each rank's half
+    stats = blocks.Copies(rank_dirs(runs / "bf16-stats"))  # stats mode: statistics and samples
+    assert stats("0/forward/layers.0.mlp/0/output") is True
+    assert stats("0/forward/layers.0.mlp.up_proj/0/output") is False
+
+
+def test_partial_sums_with_copies_and_unlifted_activations_are_refused():
+    def e(layout, phase="backward"):
+        return {"key": "0/backward/m/0/x", "phase": phase, "meta": {"layout": layout}}
+
+    for placements in (["P", "P"], ["R", "P"]):
+        with pytest.raises(DriftcheckError, match="partial or replicated along another mesh dim"):
+            blocks.plan([e({"placements": placements, "mesh": [2, 2], "global_shape": [2, 3],
+                            "offset": [0, 0]})] * 4, [[2, 3]] * 4, [2, 3], (2, 2))
+    with pytest.raises(DriftcheckError, match="not a block of the 2-D mesh"):
+        blocks.plan([e({"placements": ["S0"], "mesh": [2], "global_shape": [4, 3], "offset": [0, 0]})] * 4,
+                    [[2, 3]] * 4, [4, 3], (2, 2))
+
+
+def test_stats_mode_says_when_copies_of_a_block_differ():
+    shape, key = [4, 300], "0/forward/m/0/output"
+    t = torch.randn(shape)
+    group = []
+    for r in range(4):  # two groups of two copies of one block (batch only)
+        g = r // 2
+        block = t[2 * g:2 * g + 2] + (1.0 if r == 3 else 0.0)  # rank 3's copy differs
+        _, idx = tstats.part_positions(key, 0, shape, [2 * g, 0], [2, 300])
+        group.append({"key": key, "step": 0, "phase": "forward", "module": "m", "call": 0, "slot": "output",
+                      "shape": [2, 300], "stats": tstats.to_dict(tstats.stats_vector(block).tolist()),
+                      "meta": {"part": {"global_shape": shape, "offset": [2 * g, 0],
+                                        "values": block.reshape(-1)[torch.from_numpy(idx)].tolist()}}})
+    plan = blocks.plan(group, [[2, 300]] * 4, shape, (2, 2))
+    got, sample, estimated, same = blocks.stats(plan, group, 0, torch.float32)
+    assert not same and not estimated
+    group[3] = group[2]
+    got, sample, _, same = blocks.stats(plan, group, 0, torch.float32)
+    assert same and torch.allclose(sample, tstats.sample_of(t, key, 0))
+    assert got["numel"] == t.numel() and abs(got["max"] - float(t.max())) < 1e-6
+
+
+def test_two_fsdp_tp_runs_of_other_meshes_are_rebuilt_not_compared_rank_by_rank(runs, tmp_path):
+    from driftcheck.compare.ranks import different_layouts
+
+    other = tmp_path / "1x4"
+    shutil.copytree(runs / "bf16-full", other)
+    assert not different_layouts(runs / "bf16-full", other)
+    for d in rank_dirs(other).values():
+        m = json.loads((d / "manifest.json").read_text())
+        m["run"]["tensor_parallel"]["mesh"] = {"dp": 1, "tp": 4}
+        (d / "manifest.json").write_text(json.dumps(m))
+    assert different_layouts(runs / "bf16-full", other)

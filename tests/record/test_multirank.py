@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,6 +141,26 @@ def test_a_clean_target_passes_on_every_rank(runs):
     ref, _ = runs["ddp"]
     report = compare_ranks(ref, ref)
     assert report.verdict == "pass" and report.decided_by.count(": pass") == 2
+
+
+def test_a_run_directory_missing_a_rank_is_one_line_naming_it(runs, tmp_path):
+    ref, tgt = runs["ddp"]
+    for gone in (1, 0):
+        part = tmp_path / f"without-{gone}"
+        shutil.copytree(tgt, part)
+        shutil.rmtree(part / f"rank-{gone}")
+        for a, b in ((ref, part), (part, ref), (part, ref / "rank-0")):
+            proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(a), str(b)],
+                                  capture_output=True, text=True, timeout=120,
+                                  env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+            assert proc.returncode == 2, proc.stderr
+            assert f"{part}: rank-{gone} is missing (the run had 2 ranks" in proc.stderr, proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    (tmp_path / "without-0" / "rank-1" / "manifest.json").unlink()  # a record that did not finish
+    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(ref), str(tmp_path / "without-0")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    assert proc.returncode == 2 and "rank 1's record did not finish" in proc.stderr, proc.stderr
 
 
 def test_shard_batch_splits_dim0_and_refuses_uneven_batches():
