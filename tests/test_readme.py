@@ -34,7 +34,7 @@ def test_second_command_is_what_ci_runs() -> None:
     lines = _first_block()
     assert len(lines) == 2
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip()]
-    assert ci[-1] == lines[1] == "python -m pytest -q"
+    assert ci[-1] == lines[1] == "python -m pytest -q -n 2 --dist loadfile"
 
 
 def test_first_command_runs_twice_and_leaves_nothing_tracked(tmp_path) -> None:

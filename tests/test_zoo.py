@@ -8,6 +8,7 @@ defect on a middle Linear must fail and be localized at that module. Clean cases
 xfail(strict=True) with the reason, so they show up as XPASS when the floor is fixed."""
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -19,11 +20,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-if not (BENCH / ".zoo-site" / "torchvision").is_dir():
-    # a fresh checkout (the README's two commands, not .ci/run): torchvision and timm model code
-    # into bench/.zoo-site from the package index, as .ci/run does, for this interpreter
-    subprocess.run(["bash", str(BENCH / "zoo_env.sh")], env={**os.environ, "PYTHON": sys.executable},
-                   check=True, stdout=subprocess.DEVNULL)
+with open(BENCH / ".zoo-site.lock", "w") as _lock:  # pytest -n 2: both workers import this module
+    fcntl.flock(_lock, fcntl.LOCK_EX)
+    if not (BENCH / ".zoo-site" / "torchvision").is_dir():
+        # a fresh checkout (the README's two commands, not .ci/run): torchvision and timm model code
+        # into bench/.zoo-site from the package index, as .ci/run does, for this interpreter
+        subprocess.run(["bash", str(BENCH / "zoo_env.sh")], env={**os.environ, "PYTHON": sys.executable},
+                       check=True, stdout=subprocess.DEVNULL)
 sys.path.insert(0, str(BENCH))
 
 import zoo  # noqa: E402
