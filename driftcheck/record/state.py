@@ -97,13 +97,15 @@ class StateCapture:
                     self.capture(owner[0], "optimizer", 0, f"state.{owner[1]}.{k}", v)
 
     def grad_hook(self, p: torch.Tensor) -> None:
-        """A post-accumulate-grad hook: the parameter's gradient, kept for the step's end."""
+        """A post-accumulate-grad hook: the parameter's gradient, kept for the step's end (nothing
+        where the ``grads`` phase or the parameter's module is not captured)."""
         if p.grad is None:
             return
-        g = p.grad.detach()
         mod, leaf, _ = self.owners[id(p)]
-        if type(g) is torch.Tensor and g.layout == torch.strided and g.numel() >= tstats.BIG \
-                and self.capture.wants("grads") and self.selected(mod):
+        if not (self.capture.wants("grads") and self.selected(mod)):
+            return  # capture_grads would drop it (a copy of every gradient held for nothing)
+        g = p.grad.detach()
+        if type(g) is torch.Tensor and g.layout == torch.strided and g.numel() >= tstats.BIG:
             # A large gradient is taken now as any capture is (stats mode: its summary, rather
             # than a copy for the end of the step; a later in-place op, clipping or zero_grad,
             # cannot reach either). With gradient accumulation the last backward's is kept.

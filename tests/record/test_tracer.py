@@ -477,3 +477,24 @@ def test_a_second_backward_through_the_graph_leaves_a_summed_gradient_as_capture
     r = TraceReader(tmp_path / "t")
     got = r.tensor(next(e for e in r.entries if e["key"] == "0/backward/./0/grad_input.0"))
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("phases", [("forward", "backward"), None])
+def test_gradients_the_record_does_not_capture_are_not_kept(tmp_path, phases):
+    """The post-accumulate hook keeps a parameter's gradient for the step's end only where the
+    ``grads`` phase and its module are captured (a copy of every gradient held for nothing
+    before: 1.3 GB a step at 349M)."""
+    from driftcheck.store import TraceReader, TraceWriter
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    kw = dict(phases=frozenset(phases)) if phases else dict(include=("1",))
+    with TraceWriter(tmp_path / "t") as w:
+        tr = Tracer(model, w, mode="full", **kw).attach()
+        model(torch.randn(3, 4)).sum().backward()
+        kept = {tr.state.owners[k][0] for k in tr.state.grads}
+        tr.step()
+        tr.detach()
+        w.close({})
+    assert kept == (set() if phases else {"1"}), kept  # no grads phase; only module 1 included
+    grads = {e["module"] for e in TraceReader(tmp_path / "t").entries if e["phase"] == "grads"}
+    assert grads == (set() if phases else {"1"})
