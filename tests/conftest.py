@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,22 @@ def a_middle_linear(name: str) -> str:
 
     lins = [n for n, m in load_scenario(name).model.named_modules() if isinstance(m, nn.Linear)]
     return lins[len(lins) // 2]
+
+
+# the built-in llama, with a 5% defect in one tensor-parallel Linear's output under DC_FAULT=1
+# (tests/record/test_tp.py, test_fsdp_tp.py: its up_proj is colwise, a local shard on each rank)
+LLAMA_FAULT_SCENARIO = textwrap.dedent('''
+    import os
+    from torch import nn
+    from driftcheck import Scenario
+    from driftcheck.models import llama
+
+    def build():
+        sc = llama.build()
+        if os.environ.get("DC_FAULT"):  # a 5% defect in the output of one sharded Linear
+            sc.model.layers[1].mlp.up_proj.register_forward_hook(lambda m, a, out: out * 1.05)
+        return sc
+''')
 
 
 def record_cli(cwd, *args: str, ranks: int = 0, env: dict | None = None) -> None:

@@ -174,11 +174,8 @@ def place(key: str, p: Plan, tensors: list[torch.Tensor]) -> tuple[torch.Tensor,
         DriftcheckError: blocks that do not tile the logical shape."""
     out = torch.empty(p.shape, dtype=tensors[0].dtype)
     covered = torch.zeros(p.shape, dtype=torch.bool)
-    seen: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for t, offset in zip(tensors, p.offsets):
-        seen.setdefault(tuple(offset), []).append(t)
     same = True
-    for off, ts in seen.items():
+    for off, ts in by_block(p, tensors).items():
         region = _region(key, list(off), list(ts[0].shape), p.shape)
         if p.summed and ts[0].is_floating_point():
             out[region] = torch.stack([t.double() for t in ts]).sum(0).to(out.dtype)
@@ -196,10 +193,15 @@ def place(key: str, p: Plan, tensors: list[torch.Tensor]) -> tuple[torch.Tensor,
 
 def distinct(p: Plan, group: list[Entry]) -> list[Entry]:
     """The ranks' entries of distinct blocks (of ranks sharing a block, the first)."""
-    out: dict[tuple[int, ...], Entry] = {}
-    for g, off in zip(group, p.offsets):
-        out.setdefault(tuple(off), g)
-    return list(out.values())
+    return [gs[0] for gs in by_block(p, group).values()]
+
+
+def by_block(p: Plan, items: list[Any]) -> dict[tuple[int, ...], list[Any]]:
+    """The ranks' ``items`` (tensors, entries) grouped by their block's offset, in rank order."""
+    out: dict[tuple[int, ...], list[Any]] = {}
+    for item, offset in zip(items, p.offsets):
+        out.setdefault(tuple(offset), []).append(item)
+    return out
 
 
 def stats(p: Plan, group: list[Entry], seed: int, dtype: torch.dtype
@@ -213,9 +215,7 @@ def stats(p: Plan, group: list[Entry], seed: int, dtype: torch.dtype
     key = cparts.sample_key_of(e)
     out = torch.zeros(tstats.SAMPLE_SIZE, dtype=torch.float64)
     seen = torch.zeros(tstats.SAMPLE_SIZE, dtype=torch.bool)
-    blocks: dict[tuple[int, ...], list[Entry]] = {}
-    for g, offset in zip(group, p.offsets):
-        blocks.setdefault(tuple(offset), []).append(g)
+    blocks = by_block(p, group)
     same = True
     for off, gs in blocks.items():
         _region(e["key"], list(off), list(gs[0]["shape"]), p.shape)

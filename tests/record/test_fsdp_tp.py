@@ -10,12 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import record_cli
+from conftest import LLAMA_FAULT_SCENARIO, dc, record_cli
 
 from driftcheck.compare import blocks
 from driftcheck.compare.ranks import compare_ranks
@@ -24,16 +23,7 @@ from driftcheck.numerics import stats as tstats
 from driftcheck.store import TraceReader
 from driftcheck.store.layout import rank_dirs
 
-SCENARIO = textwrap.dedent('''
-    import os
-    from driftcheck.models import llama
-
-    def build():
-        sc = llama.build()
-        if os.environ.get("DC_FAULT"):  # a 5% defect in the output of one sharded Linear
-            sc.model.layers[1].mlp.up_proj.register_forward_hook(lambda m, a, out: out * 1.05)
-        return sc
-''')
+SCENARIO = LLAMA_FAULT_SCENARIO
 
 
 def _record(tmp: Path, *args: str, ranks: int = 0, fault: bool = False) -> None:
@@ -98,9 +88,7 @@ def test_a_5_percent_fault_in_one_module_is_named(runs):
         fd = report.first_divergence
         assert report.verdict == "fail" and (fd["module"], fd["phase"], fd["step"]) == \
             ("layers.1.mlp.up_proj", "forward", 0), (mode, fd)
-    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(runs / "ref-full"),
-                           str(runs / "fault-full")], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    proc = dc("compare", str(runs / "ref-full"), str(runs / "fault-full"))
     assert proc.returncode == 1, proc.stderr
     assert "FAIL layers.1.mlp.up_proj's forward output" in proc.stdout
 

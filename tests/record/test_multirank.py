@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import dc
 
 from driftcheck.compare.ranks import compare_ranks
 from driftcheck.errors import DriftcheckError
@@ -150,16 +151,12 @@ def test_a_run_directory_missing_a_rank_is_one_line_naming_it(runs, tmp_path):
         shutil.copytree(tgt, part)
         shutil.rmtree(part / f"rank-{gone}")
         for a, b in ((ref, part), (part, ref), (part, ref / "rank-0")):
-            proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(a), str(b)],
-                                  capture_output=True, text=True, timeout=120,
-                                  env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+            proc = dc("compare", str(a), str(b))
             assert proc.returncode == 2, proc.stderr
             assert f"{part}: rank-{gone} is missing (the run had 2 ranks" in proc.stderr, proc.stderr
             assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     (tmp_path / "without-0" / "rank-1" / "manifest.json").unlink()  # a record that did not finish
-    proc = subprocess.run([sys.executable, "-m", "driftcheck", "compare", str(ref), str(tmp_path / "without-0")],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
+    proc = dc("compare", str(ref), str(tmp_path / "without-0"))
     assert proc.returncode == 2 and "rank 1's record did not finish" in proc.stderr, proc.stderr
 
 

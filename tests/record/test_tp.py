@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import record_cli
+from conftest import LLAMA_FAULT_SCENARIO, record_cli
 
 from driftcheck.compare.layouts import logical_tensor
 from driftcheck.compare.ranks import compare_ranks
@@ -20,18 +20,7 @@ from driftcheck.errors import DriftcheckError
 from driftcheck.store import TraceReader
 from driftcheck.store.layout import rank_dirs
 
-SCENARIO = textwrap.dedent('''
-    import os
-    from torch import nn
-    from driftcheck import Scenario
-    from driftcheck.models import llama
-
-    def build():
-        sc = llama.build()
-        if os.environ.get("DC_FAULT"):  # a 5% defect in the output of one sharded Linear
-            sc.model.layers[1].mlp.up_proj.register_forward_hook(lambda m, a, out: out * 1.05)
-        return sc
-
+SCENARIO = LLAMA_FAULT_SCENARIO + textwrap.dedent('''
     def no_plan():
         return Scenario(model=nn.Linear(4, 4), inputs=[__import__("torch").ones(2, 4)],
                         loss=lambda out, x: out.sum(), steps=1)
