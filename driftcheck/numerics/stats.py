@@ -144,10 +144,10 @@ def _flat_sample_indices(keys: list[str], lengths: list[int], offsets: np.ndarra
     big = lengths_a > SAMPLE_SIZE
     out = np.empty((len(keys), SAMPLE_SIZE), dtype=np.int64)
     if big.any():
-        kernels = _kernels()
+        kernels = compiled_kernels()
         shift = np.array([zlib.crc32(k.encode()) for k, b in zip(keys, big) if b]) / 2.0**32
         rows = np.empty((int(big.sum()), SAMPLE_SIZE), dtype=np.int64)
-        kernels.sample_positions(_base_points(seed), shift, lengths_a[big], offsets[big], rows)
+        kernels.sample_positions(base_points(seed), shift, lengths_a[big], offsets[big], rows)
         if big.all():
             return rows.reshape(-1)
         out[big] = rows
@@ -157,7 +157,7 @@ def _flat_sample_indices(keys: list[str], lengths: list[int], offsets: np.ndarra
 
 
 @functools.lru_cache(maxsize=8)
-def _base_points(seed: int) -> np.ndarray:
+def base_points(seed: int) -> np.ndarray:
     return np.random.default_rng(seed & (2**63 - 1)).random(SAMPLE_SIZE)
 
 
@@ -205,53 +205,11 @@ def summarize(tensors: list[torch.Tensor], sample_keys: list[str | None], seed: 
     return torch.stack([r.to(device=first.device, dtype=first.dtype) for r in rows]), samples  # type: ignore[union-attr]
 
 
-_HOST_DTYPES = (torch.float32, torch.float64)
-
-
-class HostSummaries:
-    """Stats rows and samples of small float32/float64 host tensors, taken in the capture hook
-    by one compiled call each (``kernels.summarize_into``) into preallocated blocks. Nothing of
-    the tensor is copied or kept but its sample, and nothing is left to batch at the end of the
-    step: on the host this is cheaper than copying the tensor for ``summarize``, and it gives
-    the same samples bit for bit and the same statistics up to the association of float64
-    sums (tested)."""
-
-    BLOCK = 256  # captures per block of rows and samples
-
-    def __init__(self, seed: int) -> None:
-        self.base = _base_points(seed)
-        self._blocks: dict[np.dtype, list] = {}  # dtype -> [rows, samples, used, stats columns]
-
-    @staticmethod
-    def eligible(t: torch.Tensor) -> bool:
-        return t.is_cpu and t.dtype in _HOST_DTYPES and 0 < t.numel() < BIG
-
-    def take(self, t: torch.Tensor, key: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """(stats row as ``summarize`` makes it, sample) of an ``eligible`` tensor without autograd
-        history, as numpy views into the blocks (``torch.from_numpy`` of the sample is what the
-        trace stores), or None where it has no numpy view: the caller copies it instead."""
-        try:
-            x = _kernels().flat_view(t.contiguous())  # a copy only when t is not contiguous
-        except (RuntimeError, TypeError):
-            return None
-        blk = self._blocks.get(x.dtype)
-        if blk is None or blk[2] == self.BLOCK:
-            rows = np.full((self.BLOCK, len(COLUMNS)), np.nan)  # fp8 columns: NaN, not fp8
-            blk = [rows, np.empty((self.BLOCK, SAMPLE_SIZE), dtype=x.dtype), 0,
-                   rows[:, :len(FIELDS)]]
-            self._blocks[x.dtype] = blk
-        k = blk[2]
-        blk[2] = k + 1
-        _kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[3], blk[1], k)
-        if x.size >= SAMPLE_SIZE:
-            return blk[0][k], blk[1][k]
-        # A short sample is copied out: a view would pin the whole block (up to 512x its own
-        # bytes) in the writer's queue, whose memory bound counts the sample's bytes.
-        return blk[0][k], blk[1][k, :x.size].copy()
+HOST_DTYPES = (torch.float32, torch.float64)  # summarised on the host by compiled kernels
 
 
 @functools.cache
-def _kernels():
+def compiled_kernels():
     from driftcheck.numerics import summary_kernels  # numba: imported where it is used, once
 
     return summary_kernels
@@ -262,9 +220,9 @@ def large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
     call from the array ``_large_stats`` reads (the same positions, bit for bit)."""
     if t.dtype not in (torch.float32, torch.float64) or t.device.type != "cpu":
         return sample_of(t, key, seed)
-    x = _kernels().flat_view(t.detach().contiguous())
+    x = compiled_kernels().flat_view(t.detach().contiguous())
     out = np.empty(SAMPLE_SIZE, dtype=x.dtype)
-    _kernels().gather_sample(x, _base_points(seed), zlib.crc32(key.encode()) / 2.0**32, out)
+    compiled_kernels().gather_sample(x, base_points(seed), zlib.crc32(key.encode()) / 2.0**32, out)
     return torch.from_numpy(out)
 
 
@@ -280,7 +238,7 @@ def large_row(t: torch.Tensor, into: torch.Tensor | None = None) -> np.ndarray |
     """``_large_stats`` as a float64 numpy row, or None where the values are not all finite (or
     float64 overflows): the caller takes the exact masking path. ``into`` (contiguous, the
     dtype and size of a float32/float64 ``t``): ``t`` is copied there in the same pass."""
-    kernels = _kernels()
+    kernels = compiled_kernels()
     if into is not None:
         x = kernels.flat_view(into)
         s, sq, mn, mx = kernels.copy_stats(kernels.flat_view(t), x)
@@ -304,7 +262,7 @@ def large_row(t: torch.Tensor, into: torch.Tensor | None = None) -> np.ndarray |
 def summarize_one(t: torch.Tensor, key: str, seed: int) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
     """(stats row, sample) of one capture as ``summarize`` gives them; for a large float
     host tensor the row is a numpy array (no tensor built per capture: stats mode's cost)."""
-    if t.numel() >= BIG and t.dtype in _HOST_DTYPES and t.device.type == "cpu":
+    if t.numel() >= BIG and t.dtype in HOST_DTYPES and t.device.type == "cpu":
         row = large_row(t)
         if row is not None:
             return row, large_sample(t, key, seed)
@@ -331,7 +289,7 @@ def _summarize_group(ts: list[torch.Tensor], keys: list[str | None], seed: int
         # On the host: one compiled pass per tensor over the values as stored (widened in
         # registers), no float64 copy of the group and no masking passes. A small group takes
         # the torch ops below (float64 on the host): no numba import, no kernel compile.
-        kernels = _kernels()
+        kernels = compiled_kernels()
         out = np.empty((len(ts), len(FIELDS)), dtype=np.float64)
         kernels.segment_stats(kernels.host_array(flat), np.asarray(lengths, dtype=np.int64), out)
         rows = torch.from_numpy(np.concatenate(
@@ -379,14 +337,16 @@ def warm(device: torch.device, params: list[torch.Tensor]) -> None:
     if device.type != "cpu" or not any(p.numel() >= BIG for p in params):
         return
     dtypes = {p.dtype for p in params}
-    kernels = _kernels()
-    for dtype in sorted({torch.float32} | (set(dtypes) & set(_HOST_DTYPES)), key=str):
+    kernels = compiled_kernels()
+    for dtype in sorted({torch.float32} | (set(dtypes) & set(HOST_DTYPES)), key=str):
         t = torch.linspace(-1.0, 1.0, 2 * SAMPLE_SIZE, dtype=dtype)
         large_row(t)
         large_row(t, into=torch.empty_like(t))
         large_sample(t, "warm", 0)
-        HostSummaries(0).take(t, "warm")
         x = kernels.flat_view(t)
+        rows = np.empty((1, len(COLUMNS)), dtype=np.float64)
+        kernels.summarize_into(x, base_points(0), 0.5, rows[:, :len(FIELDS)],
+                               np.empty((1, SAMPLE_SIZE), dtype=x.dtype), 0)  # record/host_summaries.py
         kernels.segment_stats(kernels.host_array(t), np.asarray([t.numel()], dtype=np.int64),
                               np.empty((1, len(FIELDS)), dtype=np.float64))
         kernels.col_sumsq(x, 16, np.empty(16, dtype=np.float64))

@@ -5,6 +5,8 @@
     calls.py      Calls: the module calls open now, their numbers, whether hooks are live
     selection.py  Selection: which modules, phases and steps are captured, full or stats
     capture.py    Capture: copies and summaries at hook time, one batched host transfer per step
+    host_summaries.py  HostSummaries: host captures' stats rows and samples, held in mapped blocks
+    transfer.py   the step's host transfer: deferred data, one copy per dtype, samples packed
     state.py      StateCapture: parameters, buffers, gradients, optimizer state (tied once)
     hooks.py      ForwardHooks: inputs, outputs, module meta, the local replay
     autograd.py   BackwardHooks: output gradients, input gradients off the autograd edges

@@ -7,7 +7,6 @@ no context managers on its fast path.
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +14,11 @@ from typing import Any
 import torch
 
 from driftcheck.numerics import dtypes, stats as tstats
+from driftcheck.record import transfer
 from driftcheck.record.config import CaptureConfig
+from driftcheck.record.host_summaries import Held, HostSummaries
 from driftcheck.record.parts import Parts, dtensor_layout
 from driftcheck.record.selection import Selection
-from driftcheck.store.format import SHARES
 from driftcheck.store.keys import key_string, sample_key
 from driftcheck.store.writer import TraceWriter
 from driftcheck.targets import deferred
@@ -28,7 +28,8 @@ from driftcheck.targets import deferred
 HOST_FLUSH_BYTES = 64 << 20
 
 
-Summary = tuple[Any, torch.Tensor | None]  # (stats row, sample), taken at hook time
+# (stats row, sample) taken at hook time, or both held (record/host_summaries.py) till the flush
+Summary = tuple[Any, torch.Tensor | None] | Held
 
 
 class Pending:
@@ -42,7 +43,7 @@ class Pending:
         self.entry = entry
         self.tensor = tensor
         self.dev_meta = dev_meta
-        self.summary = summary  # (stats row, sample), taken at hook time instead of a copy
+        self.summary: Any = summary  # (stats row, sample) or a Held, taken at hook time, not a copy
 
 
 Known = tuple[Any, ...]  # (weak ref, identity, row, sample key, sample) of a summarised tensor
@@ -73,7 +74,7 @@ class Capture:
         # device for the step's own mark_step (the tracer's), then move to the host.
         self.deferred = False
         self.host_now = False  # between a deferred device's steps: captures go to the host now
-        self._host = tstats.HostSummaries(config.seed)
+        self._host = HostSummaries(config.seed)
         # module path -> the layout of a plain tensor there that is a tensor-parallel shard (record/tensor_parallel.py)
         self.shards: dict[str, Callable[[str, str, torch.Tensor], dict[str, Any] | None]] = {}
         self.batch: tuple[int, int] | None = None  # fsdp-tp: this rank's data-parallel group, of how many
@@ -131,11 +132,13 @@ class Capture:
                 or known[1] != self._identity(t):
             return None
         row, skey, sample = known[2:]
+        if isinstance(sample, Held):
+            sample = sample.sample()
         again = tstats.large_sample(data, skey, self.seed)
         return row if again.shape == sample.shape and torch.equal(again, sample.to(again)) else None
 
     def _remember_summary(self, t: torch.Tensor, row: Any, skey: str | None = None,
-                          sample: torch.Tensor | None = None) -> None:
+                          sample: torch.Tensor | Held | None = None) -> None:
         try:
             self._summaries[id(t)] = (weakref.ref(t), self._identity(t), row, skey, sample)
         except TypeError:  # not weak-referenceable: never reused
@@ -179,7 +182,7 @@ class Capture:
         if extra:
             entry["meta"] = dict(extra)
         self.order += 1
-        data = t.detach()  # no autograd history: what follows records no graph
+        data: Any = t.detach()  # no autograd history: what follows records no graph (or a Held)
         # A local replay's sample holds the positions of the entry it replays: the same key.
         # A parameter or buffer after the update, those of the same tensor before it: the
         # sample difference is then the step's own update (compare's optimizer floor).
@@ -191,7 +194,9 @@ class Capture:
         if self.parts is not None and not data.is_complex() and phase != "loss" \
                 and not self.selection.full(module):
             dev_meta = self._share(entry, data, sk, dev_meta)
-        if summary is not None:  # (stats row, sample) taken earlier: only the sample is held
+        if isinstance(summary, Held):  # taken earlier, held
+            data = summary
+        elif summary is not None:  # (stats row, sample) taken earlier: only the sample is held
             data = summary[1] if summary[1] is not None else data  # (row, None): ``t`` is a copy
         elif self.audit is None:
             summary, data = self.take(data, t, module, phase, sk, copy)
@@ -199,11 +204,11 @@ class Capture:
             with self.audit.paused():  # the tracer's own ops stay out of the view audit
                 summary, data = self.take(data, t, module, phase, sk, copy)
         self.pending.append(Pending(entry, data, dev_meta, summary))
-        self.pending_bytes += data.numel() * data.element_size()
+        self.pending_bytes += data.nbytes
         self._seen_keys.add(skey)
         if self.transfer == "per-capture" or (not self.deferred and (
                 self.pending_bytes > self.max_pending_bytes
-                or (self.pending_bytes > HOST_FLUSH_BYTES and data.device.type == "cpu"))):
+                or (self.pending_bytes > HOST_FLUSH_BYTES and (type(data) is Held or data.is_cpu)))):
             self.flush()
 
     def _share(self, entry: dict[str, Any], data: torch.Tensor, skey: str,
@@ -219,7 +224,7 @@ class Capture:
         return dev_meta
 
     def take(self, data: torch.Tensor, t: torch.Tensor, module: str, phase: str, skey: str,
-              copy: bool) -> tuple[Summary | None, torch.Tensor]:
+              copy: bool) -> tuple[Summary | None, torch.Tensor | Held]:
         """(summary or None, what the pending capture holds) for detached ``data`` of ``t``."""
         keep = phase == "loss" or self.selection.full(module)  # the whole tensor goes to the trace
         if self.deferred and data.device.type in deferred.DEFERRED_TYPES:
@@ -229,22 +234,28 @@ class Capture:
                 with torch.no_grad():  # of ``t`` itself: a detach() would be a graph to run
                     return None, t.cpu().detach()
             return None, deferred.copy(data) if copy else data
-        if not keep and tstats.HostSummaries.eligible(data):
-            got = self._host.take(data, skey)
-            if got is not None:
-                # Stats mode, a small host tensor: summarised now, only its sample is kept.
-                sample = torch.from_numpy(got[1])
-                return (got[0], sample), sample
+        if not keep and HostSummaries.eligible(data):
+            held = self._host.take(data, skey)
+            if held is not None:  # Stats mode, a small host tensor: summarised now, held
+                return held, held
         if not keep and data.numel() >= tstats.BIG:
             # Stats mode, a large tensor: summarise it now (on its device, no sync) rather
             # than copy it for later; the copy would cost more than the summary.
-            row: Any = self._known_summary(t)  # a device row, or a numpy row (summarize_one)
+            row: Any = self._known_summary(t)  # a device row, a numpy row or a Held
             if row is None and self._carried:
                 row = self._carried_summary(t, data)
+            host = HostSummaries.eligible_large(data)
             if row is None:
+                got = self._host.take_large(data, skey) if host else None
+                if got is not None:
+                    self._remember_summary(t, got, skey, got)
+                    return got, got
                 row, sample = tstats.summarize_one(data, skey, self.seed)
                 self._remember_summary(t, row, skey, sample)
-            else:  # the same tensor, unchanged, seen earlier this step: only the sample
+            elif host and not isinstance(row, torch.Tensor):  # the same tensor, unchanged,
+                held = self._host.take_sample(data, skey, row)  # seen earlier: only the sample
+                return held, held
+            else:
                 sample = tstats.large_sample(data, skey, self.seed)
             return (row, sample), sample
         # copy at hook time: later in-place ops must not leak in. A copy the trace stores whole
@@ -272,9 +283,13 @@ class Capture:
         if not self.pending:
             return
         pending, self.pending, self.pending_bytes = self.pending, [], 0
+        for p in pending:
+            if type(p.summary) is Held:  # made now: (row, sample) for the paths below
+                p.summary = (p.summary.row(), p.summary.sample())
+                p.tensor = p.summary[1]
         if self.deferred:
             with torch.no_grad(), self.quiet():
-                _off_deferred(pending)
+                transfer.off_deferred(pending)
         with torch.no_grad(), self.quiet():
             fulls = [self.selection.full(p.entry["module"]) or p.entry["phase"] == "loss"
                      for p in pending]
@@ -283,12 +298,12 @@ class Capture:
                      for k, v in p.dev_meta.items()]
             meta_vals = torch.cat([v.to(tstats.acc_dtype(v.device)).reshape(-1)
                                    for _, _, v in metas]) if metas else None
-            host_tensors = _to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
-            _pack_samples(host_tensors, fulls)
+            host_tensors = transfer.to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
+            transfer.pack_samples(host_tensors, fulls)
             for i, row in zip(order, rows.cpu().tolist() if order else []):
                 stat_lists[i] = row
             meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
-        _apply_meta(pending, metas, meta_host)
+        transfer.apply_meta(pending, metas, meta_host)
         for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
             p.entry.pop("sample_key", None)  # the positions are the replayed entry's
             p.entry["stats"] = tstats.to_dict(row)
@@ -324,77 +339,3 @@ class Capture:
             extra = torch.stack([row.to(like) for _, row in on_device])
             rows = torch.cat([rows, extra]) if todo else extra
         return rows, todo + [i for i, _ in on_device], samples, stat_lists
-
-
-def _apply_meta(pending: list[Pending], metas: list[tuple[int, str, torch.Tensor]],
-                values: list[float]) -> None:
-    """The device-side meta, read back (``values``, in ``metas`` order), into the entries."""
-    at = 0
-    for i, k, dev in metas:
-        n = dev.numel()
-        v = values[at:at + n]
-        at += n
-        if k == "mag_sq":
-            pending[i].entry.setdefault("meta", {})["mag_rms"] = math.sqrt(max(v[0], 0.0))
-        elif k == "norm_gain_sq":
-            meta = pending[i].entry.setdefault("meta", {})
-            meta["norm_gain"] = math.sqrt(max(v[0], 1.0))
-            meta["norm_gain_max"] = math.sqrt(max(v[-1], 1.0))
-        elif k.endswith("_sample") and k[:-7] in SHARES:  # record/parts.py: a share of the logical sample
-            pending[i].entry["meta"][k[:-7]]["values"] = [x if math.isfinite(x) else repr(x) for x in v]
-        elif k == "logit_absmax":
-            pending[i].entry.setdefault("meta", {})[k] = float(v[0])
-        else:  # kink_profile: counts
-            pending[i].entry.setdefault("meta", {})[k] = [int(c) for c in v]
-
-
-def _pack_samples(host: list[torch.Tensor], fulls: list[bool]) -> None:
-    """Replace a step's samples by views into one block per dtype, in place. Stats-mode samples
-    wait in the writer until their shard fills (tens of steps); held one by one, thousands of
-    small allocations between the model's large ones fragment the allocator's heap, and a
-    16M-parameter model's resident memory grew ~200 MB a step (and its steps slowed) until
-    the shard was written. One block per step is one allocation, freed as a whole."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (t, full) in enumerate(zip(host, fulls)):
-        if not full and t is not None and t.is_cpu and t.numel():
-            by_dtype.setdefault(t.dtype, []).append(i)
-    for idxs in by_dtype.values():
-        if len(idxs) < 2:
-            continue
-        block = torch.cat([host[i].reshape(-1) for i in idxs])
-        for i, part in zip(idxs, block.split([host[i].numel() for i in idxs])):
-            host[i] = part.view(host[i].shape)
-
-
-def _off_deferred(pending: list[Pending]) -> None:
-    """The captures of a deferred device, and their device-side meta, onto the host in place:
-    their graphs run together where any is still pending (after the step's mark_step, none
-    is), then each one's data is copied (a transfer of data the device holds: no graph runs)."""
-    held = [p.tensor for p in pending if p.tensor.device.type in deferred.DEFERRED_TYPES]
-    held += [v for p in pending for v in (p.dev_meta or {}).values()
-             if v.device.type in deferred.DEFERRED_TYPES]
-    if not held:
-        return
-    deferred.materialise(held)
-    for p in pending:
-        p.tensor = p.tensor.cpu()
-        if p.dev_meta:
-            p.dev_meta = {k: v.cpu() for k, v in p.dev_meta.items()}
-
-
-def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One device-to-host transfer per dtype for all tensors (none on CPU)."""
-    if not tensors or all(t.device.type == "cpu" for t in tensors):
-        return tensors
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for idxs in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in idxs]).cpu()
-        offset = 0
-        for i in idxs:
-            n = tensors[i].numel()
-            out[i] = flat[offset:offset + n].reshape(tensors[i].shape).clone()
-            offset += n
-    return out  # type: ignore[return-value]

@@ -11,6 +11,7 @@ from torch import nn
 
 from driftcheck.numerics import stats as tstats
 from driftcheck.record.capture import Capture
+from driftcheck.record.host_summaries import Held
 from driftcheck.store.keys import sample_key
 from driftcheck.targets import deferred
 
@@ -113,7 +114,8 @@ class StateCapture:
             sk = sample_key(self.capture.step, "grads", mod, 0, f"param.{leaf}")
             with self.capture.quiet():  # the tracer's own ops stay out of the view audit
                 summary, data = self.capture.take(g, g, mod, "grads", sk, True)
-            self.grads[id(p)] = data if summary is None else (g if summary[1] is not None else data, summary)
+            sampled = summary is not None and (isinstance(summary, Held) or summary[1] is not None)
+            self.grads[id(p)] = data if summary is None else (g if sampled else data, summary)
         else:
             self.grads[id(p)] = deferred.copy(g)
 

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from driftcheck.numerics import passes
 from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.meta import kink_profile_of
+from driftcheck.store.buffers import mapped_empty
 from driftcheck.targets import deferred
 
 # Softmax amplifies the rounding of its logits: a logit x carries u|x| of error, and exp turns
@@ -77,7 +78,7 @@ def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: boo
         if blocks is not None and q.device.type == "cpu":
             if shape not in blocks:
                 blocks.clear()  # one shape kept: the next layer's attention has the same
-                blocks[shape] = torch.empty(shape, dtype=torch.float32)
+                blocks[shape] = mapped_empty(shape, torch.float32)  # never malloc's (buffers.py)
             s = torch.matmul(qb, kt, out=blocks[shape]).mul_(scale)
         else:
             s = (qb @ kt).mul_(scale)
@@ -289,6 +290,7 @@ class WatchLog:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
         self.around: Callable[[], Any] | None = None  # the watches' ``around`` (LogitWatch)
+        self.blocks: dict = {}  # the watches' block of recomputed attention logits
         self.reset()
 
     def reset(self) -> None:
@@ -305,6 +307,7 @@ class WatchLog:
         mode = LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
                           self.on_host)
         mode.around = self.around
+        mode.blocks = self.blocks  # kept from step to step
         return mode
 
     def _taking(self) -> bool:

@@ -13,6 +13,7 @@ written over, and memory the pool did not allocate is never taken.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 import weakref
@@ -24,6 +25,21 @@ MIN_BYTES = 1 << 18  # smaller copies come from the allocator's own free lists (
 #                      vm.max_map_count (65530) even with a whole queue of them in flight
 PAGE = 4096  # buffers start on a page and run on to the next page boundary: a direct write
 #              (direct.DirectStage) takes a copy straight from its memory
+
+
+def mapped_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous host tensor in anonymous memory of its own (``mmap``), not
+    malloc's: page-aligned, and returned to the system when the last tensor over it goes.
+
+    For the tracer's own large working buffers. glibc raises its mmap threshold to the size of
+    any mmapped block freed (up to 32 MB): a tracer buffer of, say, 16 MB allocated and freed
+    through malloc would move every later model allocation below that size from fresh mappings
+    into the heap, and change how the model's own memory is laid out and faulted in (a 349M
+    Llama's first traced step paid ~2 GB more heap). Memory mapped here never moves it."""
+    nbytes = max(1, math.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    memory = mmap.mmap(-1, nbytes + (-nbytes % PAGE))
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory`` for as long as it lives
+    return raw[:nbytes].view(dtype)[:math.prod(shape)].view(shape)
 
 
 class HostBuffers:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driftcheck.compare.layouts import how_of, logical_trace, logical_tensor
-from driftcheck.compare.parts import combined, logical, of_tensor
-from driftcheck.compare.parts import whole as all_whole
+from driftcheck.compare.layouts import how_of, logical_tensor, logical_trace
+from driftcheck.compare.parts import combined, logical, of_tensor, whole as all_whole
 from driftcheck.errors import DriftcheckError
 from driftcheck.numerics import stats as tstats
 from driftcheck.record.parts import Parts, dtensor_part
@@ -139,7 +138,7 @@ class _Pending:
 def _rank_traces(root, whole_tensor, world, *, parallel, dim, nonfinite=False):
     """Rank traces (stats mode, as torchrun writes them) of one forward entry of ``whole_tensor``
     split along ``dim``, through the writer and the manifest (JSON) as a record's are."""
-    from driftcheck.record.capture import _apply_meta
+    from driftcheck.record.transfer import apply_meta
     from driftcheck.store.writer import TraceWriter
 
     key, group, samples = _ranks(whole_tensor, "forward", world, parallel=parallel, dim=dim)
@@ -147,7 +146,7 @@ def _rank_traces(root, whole_tensor, world, *, parallel, dim, nonfinite=False):
     for r, (e, smp) in enumerate(zip(group, samples)):
         if "part" in e["meta"]:  # the values as the capture writes them into the manifest
             vals = e["meta"]["part"].pop("values")
-            _apply_meta([_Pending(e)], [(0, "part_sample", torch.tensor(vals))], vals)
+            apply_meta([_Pending(e)], [(0, "part_sample", torch.tensor(vals))], vals)
         dirs[r] = root / f"rank-{r}"
         with TraceWriter(dirs[r]) as w:
             w.add(dict(e, dtype="float32", order=0), None, sample=smp)

@@ -12,6 +12,7 @@ import torch
 from driftcheck.compare import compare
 from driftcheck.loader import load_scenario
 from driftcheck.numerics import stats
+from driftcheck.record.host_summaries import Held, HostSummaries
 from driftcheck.record.rng import DropoutControl
 from driftcheck.record.runner import record, train
 from driftcheck.record.tracer import Tracer
@@ -291,24 +292,70 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary():
     than a block holds."""
     cases = _host_cases() * 40  # 320 captures: a second block of rows and samples
     keys = [f"0/forward/m{i}/0/output" for i in range(len(cases))]
-    host = stats.HostSummaries(seed=7)
-    got = [host.take(t, k) for t, k in zip(cases, keys)]
+    host = HostSummaries(seed=7)
+    helds = [host.take(t, k) for t, k in zip(cases, keys)]
+    got = [(h.row(), h.sample()) for h in helds]
     want_rows, want_samples = stats.summarize(cases, keys, 7)
     for t, (row, sample), want_row, want_sample in zip(cases, got, want_rows, want_samples):
-        assert stats.HostSummaries.eligible(t)
+        assert HostSummaries.eligible(t)
         want = want_row.numpy()  # fp8 columns NaN in both
         exact = [stats.COLUMNS.index(c) for c in ("min", "max", "absmax", "nan", "inf", "numel",
                                                    "fp8_underflow", "fp8_overflow")]
         np.testing.assert_array_equal(row[exact], want[exact])
         np.testing.assert_allclose(row, want, rtol=1e-14, atol=0)  # mean, std, l2
-        sample = torch.from_numpy(sample)
         assert sample.dtype == t.dtype and sample.shape == want_sample.shape
         assert sample.numpy().tobytes() == want_sample.numpy().tobytes()
-    for t, (_, sample) in zip(cases, got):  # a short sample owns its bytes (no pinned block)
-        assert (sample.base is None) == (t.numel() < stats.SAMPLE_SIZE)
-    assert not stats.HostSummaries.eligible(torch.zeros(0))  # zero-size: the general path
-    assert not stats.HostSummaries.eligible(torch.ones(3, dtype=torch.bfloat16))
-    assert not stats.HostSummaries.eligible(torch.ones(stats.BIG))
+    for t, h, (_, sample) in zip(cases, helds, got):  # a short sample: its own bytes (no pinned block)
+        block = h.block[1]
+        inside = block.ctypes.data <= sample.data_ptr() < block.ctypes.data + block.nbytes
+        assert inside == (t.numel() >= stats.SAMPLE_SIZE)
+    assert not HostSummaries.eligible(torch.zeros(0))  # zero-size: the general path
+    assert not HostSummaries.eligible(torch.ones(3, dtype=torch.bfloat16))
+    assert not HostSummaries.eligible(torch.ones(stats.BIG))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_held_large_summaries_equal_summarize_one(dtype):
+    """Large host captures are held too (HostSummaries.take_large, take_sample): the row and the
+    sample of summarize_one, bit for bit, across blocks; a tensor whose values are not all
+    finite is left to the exact path (None)."""
+    g = torch.Generator().manual_seed(3)
+    host = HostSummaries(seed=5)
+    cases = [torch.randn(stats.BIG + i, generator=g, dtype=dtype) * (i + 1) for i in range(300)]
+    for i, t in enumerate(cases):
+        held = host.take_large(t, f"0/backward/m{i}/0/grad_input.0")
+        row, sample = stats.summarize_one(t, f"0/backward/m{i}/0/grad_input.0", 5)
+        assert isinstance(held, Held) and held.nbytes == sample.nbytes
+        np.testing.assert_array_equal(held.row()[:len(stats.FIELDS)], row[:len(stats.FIELDS)])
+        assert held.sample().numpy().tobytes() == sample.numpy().tobytes()
+        again = host.take_sample(t, "1/forward/other/0/output", held)  # the row known, a new key
+        assert np.array_equal(again.row(), held.row(), equal_nan=True)
+        assert torch.equal(again.sample(), stats.large_sample(t, "1/forward/other/0/output", 5))
+    bad = torch.randn(stats.BIG, dtype=dtype)
+    bad[7] = float("nan")
+    assert host.take_large(bad, "k") is None
+
+
+def test_stats_mode_holds_host_captures_without_a_tensor_each(tmp_path):
+    """Until the step's flush a stats-mode host capture is a Held (a block and an index): the
+    thousands of small tensors and arrays it replaced (a 349M Llama: ~19,000 malloc'd parts
+    living through the step) fragmented the heap between the model's tensors (~1 GB more heap
+    before the first optimizer step; numerics/host_summaries.py)."""
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.ReLU(), torch.nn.Linear(300, 4))
+    x = torch.randn(256, 300)
+    seen: list = []
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w, mode="stats").attach()
+        real = tracer.capture.flush
+        tracer.capture.flush = lambda: (seen.extend(type(p.tensor) for p in tracer.capture.pending), real())[1]
+        model(x).square().mean().backward()
+        tracer.step()
+        tracer.detach()
+        w.close({})
+    assert seen and set(seen) == {Held}, seen
+    reader = TraceReader(tmp_path / "t")
+    big = [e for e in reader.entries if e["stats"]["numel"] >= stats.BIG]
+    assert big and all(reader.tensor(e, "sample").numel() == stats.SAMPLE_SIZE for e in big)
 
 
 def test_a_small_tensor_changed_in_place_after_its_capture_keeps_its_statistics(tmp_path):
@@ -511,8 +558,8 @@ def _big_linear_run(tmp_path, between=None, steps=3):
 
 def test_parameters_before_a_step_reuse_the_summary_after_the_last_update(tmp_path, monkeypatch):
     calls = []
-    real = stats.summarize_one
-    monkeypatch.setattr(stats, "summarize_one", lambda t, k, s: calls.append(k) or real(t, k, s))
+    real = HostSummaries.take_large  # a large host tensor's one pass (stats.summarize_one's, held)
+    monkeypatch.setattr(HostSummaries, "take_large", lambda self, t, k: calls.append(k) or real(self, t, k))
     st = _big_linear_run(tmp_path)
     for step in (1, 2):  # the weight before step N is the weight after step N-1's update
         assert st[(step, "params", "param.weight")] == st[(step - 1, "optimizer", "param.weight")]
@@ -560,7 +607,8 @@ def test_summarising_a_tensor_leaves_its_storage_resizable():
     t = torch.randn(stats.BIG + 5)
     small = torch.randn(100)
     stats.summarize_one(t, "k", 0)
-    stats.HostSummaries(0).take(small, "s")
+    HostSummaries(0).take(small, "s")
+    HostSummaries(0).take_large(t, "k")
     view = kernels.flat_view(t)
     assert np.array_equal(view, t.detach().clone().numpy()) and view.base is not None
     del view

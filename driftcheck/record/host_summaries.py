@@ -1,0 +1,121 @@
+"""HostSummaries: the stats rows and samples of host captures, taken in the capture hook into
+blocks of mapped memory, and held there (``Held``: a block and an index) until the step's flush.
+
+Why held and not returned as arrays or tensors: a stats-mode step of a 349M Llama takes ~2,700
+captures, and each sample or row made an object of its own (``torch.from_numpy``: four small
+malloc'd parts; a numpy view: its dimensions), ~19,000 allocations of 16-256 bytes living from
+their hook to the end of the step. Taken from the free space between the model's tensors, they
+fragmented glibc's heap: the traced process's heap grew ~1 GB more than the untraced one's
+during the first backward, and the optimizer's first step, creating its state, faulted in fresh
+memory at twice the time. A ``Held`` is a Python object (Python's own allocator, outside
+malloc's heap) and the blocks are mappings of their own (store/buffers.py ``mapped_empty``).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from driftcheck.numerics.stats import (
+    BIG,
+    COLUMNS,
+    FIELDS,
+    HOST_DTYPES,
+    SAMPLE_SIZE,
+    base_points,
+    compiled_kernels,
+    large_row,
+)
+from driftcheck.store.buffers import mapped_empty
+
+_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+
+class Held:
+    """One capture's stats row and sample in a HostSummaries block: ``row()`` (a float64 numpy
+    row as ``stats.summarize`` makes it) and ``sample()`` (the tensor the trace stores), made
+    when asked (at the step's flush)."""
+
+    __slots__ = ("block", "k", "n")
+
+    def __init__(self, block: list, k: int, n: int) -> None:
+        self.block = block  # [rows, samples, used, stats columns]
+        self.k = k
+        self.n = n  # sample length
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.block[1].itemsize
+
+    def row(self) -> np.ndarray:
+        return self.block[0][self.k]
+
+    def sample(self) -> torch.Tensor:
+        values = self.block[1][self.k, :self.n]
+        # A short sample is copied out: a view would pin the whole block (up to 512x its own
+        # bytes) in the writer's queue, whose memory bound counts the sample's bytes.
+        return torch.from_numpy(values if self.n == SAMPLE_SIZE else values.copy())
+
+
+class HostSummaries:
+    """Stats rows and samples of float32/float64 host tensors, taken in the capture hook by one
+    compiled call each into preallocated blocks: small tensors whole (``take``:
+    ``kernels.summarize_into``), large ones by their one-pass row and gathered sample
+    (``take_large``, ``take_sample``). Nothing of the tensor is copied or kept but its sample;
+    on the host this is cheaper than copying a tensor for ``summarize``, and it gives the same
+    samples bit for bit and the same statistics up to the association of float64 sums (tested)."""
+
+    BLOCK = 256  # captures per block of rows and samples
+
+    def __init__(self, seed: int) -> None:
+        self.base = base_points(seed)
+        self._blocks: dict[np.dtype, list] = {}  # dtype -> [rows, samples, used, stats columns]
+
+    @staticmethod
+    def eligible(t: torch.Tensor) -> bool:
+        """Whether ``take`` summarises ``t`` (a small float host tensor)."""
+        return t.is_cpu and t.dtype in HOST_DTYPES and 0 < t.numel() < BIG
+
+    @staticmethod
+    def eligible_large(t: torch.Tensor) -> bool:
+        """Whether ``take_large`` and ``take_sample`` may (a large float host tensor)."""
+        return t.is_cpu and t.dtype in HOST_DTYPES and t.numel() >= BIG
+
+    def _slot(self, dtype: np.dtype) -> tuple[list, int]:
+        blk = self._blocks.get(dtype)
+        if blk is None or blk[2] == self.BLOCK:
+            rows = mapped_empty((self.BLOCK, len(COLUMNS)), torch.float64).numpy()
+            rows.fill(np.nan)  # fp8 columns: NaN, not fp8
+            samples = mapped_empty((self.BLOCK, SAMPLE_SIZE), _TORCH[dtype]).numpy()
+            blk = [rows, samples, 0, rows[:, :len(FIELDS)]]
+            self._blocks[dtype] = blk
+        k = blk[2]
+        blk[2] = k + 1
+        return blk, k
+
+    def take(self, t: torch.Tensor, key: str) -> Held | None:
+        """The stats row and sample of an ``eligible`` tensor without autograd history, or None
+        where it has no numpy view: the caller copies it instead."""
+        try:
+            x = compiled_kernels().flat_view(t.contiguous())  # a copy only when t is not contiguous
+        except (RuntimeError, TypeError):
+            return None
+        blk, k = self._slot(x.dtype)
+        compiled_kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[3], blk[1], k)
+        return Held(blk, k, min(x.size, SAMPLE_SIZE))
+
+    def take_large(self, t: torch.Tensor, key: str) -> Held | None:
+        """``stats.summarize_one`` of an ``eligible_large`` tensor, held: None where its values
+        are not all finite (the caller takes the exact path)."""
+        row = large_row(t)
+        return None if row is None else self.take_sample(t, key, row)
+
+    def take_sample(self, t: torch.Tensor, key: str, row: Held | np.ndarray) -> Held:
+        """The sample of an ``eligible_large`` tensor whose stats row is known already (the same
+        tensor summarised earlier), held with that row."""
+        x = compiled_kernels().flat_view(t.detach().contiguous())
+        blk, k = self._slot(x.dtype)
+        blk[3][k] = row.row()[:len(FIELDS)] if isinstance(row, Held) else row[:len(FIELDS)]
+        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[1][k])
+        return Held(blk, k, SAMPLE_SIZE)
