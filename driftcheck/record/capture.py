@@ -113,7 +113,7 @@ class Capture:
         except RuntimeError:  # inference tensors have no version counter
             return None
 
-    def _known_summary(self, t: torch.Tensor) -> torch.Tensor | None:
+    def _known_summary(self, t: torch.Tensor) -> Any:
         """The stats row of ``t`` if this step already summarised this very tensor, unchanged
         (a module's output is the next module's input, a parent's output its last child's)."""
         known = self._summaries.get(id(t))
@@ -134,7 +134,8 @@ class Capture:
         row, skey, sample = known[2:]
         if isinstance(sample, Held):
             sample = sample.sample()
-        again = tstats.large_sample(data, skey, self.seed)
+        again = self._host.sample(data, skey) if HostSummaries.eligible_large(data) \
+            else tstats.large_sample(data, skey, self.seed)
         return row if again.shape == sample.shape and torch.equal(again, sample.to(again)) else None
 
     def _remember_summary(self, t: torch.Tensor, row: Any, skey: str | None = None,
@@ -250,7 +251,12 @@ class Capture:
                 if got is not None:
                     self._remember_summary(t, got, skey, got)
                     return got, got
-                row, sample = tstats.summarize_one(data, skey, self.seed)
+                sample: Any  # (a sample is always made: a key is given)
+                if host:  # not all finite: the exact path (take_large made the one-pass row)
+                    rows, samples = tstats.summarize([data], [skey], self.seed)
+                    row, sample = rows[0], samples[0]
+                else:
+                    row, sample = tstats.summarize_one(data, skey, self.seed)
                 self._remember_summary(t, row, skey, sample)
             elif host and not isinstance(row, torch.Tensor):  # the same tensor, unchanged,
                 held = self._host.take_sample(data, skey, row)  # seen earlier: only the sample

@@ -40,7 +40,7 @@ class Held:
     __slots__ = ("block", "k", "n")
 
     def __init__(self, block: list, k: int, n: int) -> None:
-        self.block = block  # [rows, samples, used, stats columns]
+        self.block = block  # [rows, samples, used, stats columns, samples as a tensor]
         self.k = k
         self.n = n  # sample length
 
@@ -52,10 +52,11 @@ class Held:
         return self.block[0][self.k]
 
     def sample(self) -> torch.Tensor:
-        values = self.block[1][self.k, :self.n]
-        # A short sample is copied out: a view would pin the whole block (up to 512x its own
-        # bytes) in the writer's queue, whose memory bound counts the sample's bytes.
-        return torch.from_numpy(values if self.n == SAMPLE_SIZE else values.copy())
+        """A view into the block (transfer.pack_samples packs it, or copies it out where it is
+        alone); a short sample copied out now: a view would pin the whole block (up to 512x
+        its own bytes) in the writer's queue, whose memory bound counts the sample's bytes."""
+        values = self.block[4][self.k]
+        return values if self.n == SAMPLE_SIZE else values[:self.n].clone()
 
 
 class HostSummaries:
@@ -70,7 +71,9 @@ class HostSummaries:
 
     def __init__(self, seed: int) -> None:
         self.base = base_points(seed)
-        self._blocks: dict[np.dtype, list] = {}  # dtype -> [rows, samples, used, stats columns]
+        # dtype -> [rows, samples, used, stats columns, samples as a tensor]
+        self._blocks: dict[np.dtype, list] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # dtype -> a mapped block, reused
 
     @staticmethod
     def eligible(t: torch.Tensor) -> bool:
@@ -87,8 +90,8 @@ class HostSummaries:
         if blk is None or blk[2] == self.BLOCK:
             rows = mapped_empty((self.BLOCK, len(COLUMNS)), torch.float64).numpy()
             rows.fill(np.nan)  # fp8 columns: NaN, not fp8
-            samples = mapped_empty((self.BLOCK, SAMPLE_SIZE), _TORCH[dtype]).numpy()
-            blk = [rows, samples, 0, rows[:, :len(FIELDS)]]
+            samples = mapped_empty((self.BLOCK, SAMPLE_SIZE), _TORCH[dtype])
+            blk = [rows, samples.numpy(), 0, rows[:, :len(FIELDS)], samples]
             self._blocks[dtype] = blk
         k = blk[2]
         blk[2] = k + 1
@@ -105,16 +108,39 @@ class HostSummaries:
         compiled_kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[3], blk[1], k)
         return Held(blk, k, min(x.size, SAMPLE_SIZE))
 
+    def _contiguous(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where its elements lie in order in its memory; else their copy in a scratch
+        block kept from capture to capture and mapped on its own: a large copy freed through
+        malloc would move glibc's mmap threshold (store/buffers.py ``mapped_empty``)."""
+        if t.is_contiguous() and not t.is_neg() and not t.is_conj():
+            return t
+        n = t.numel()
+        scratch = self._scratch.get(t.dtype)
+        if scratch is None or scratch.numel() < n:
+            grown = max(n, 2 * scratch.numel()) if scratch is not None else n
+            scratch = self._scratch[t.dtype] = mapped_empty((grown,), t.dtype)
+        out = scratch[:n].view(t.shape)
+        out.copy_(t)
+        return out
+
     def take_large(self, t: torch.Tensor, key: str) -> Held | None:
         """``stats.summarize_one`` of an ``eligible_large`` tensor, held: None where its values
         are not all finite (the caller takes the exact path)."""
+        t = self._contiguous(t)
         row = large_row(t)
         return None if row is None else self.take_sample(t, key, row)
+
+    def sample(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """``stats.large_sample`` of an ``eligible_large`` tensor, not held (a check's copy)."""
+        out = np.empty(SAMPLE_SIZE, dtype=np.float32 if t.dtype == torch.float32 else np.float64)
+        x = compiled_kernels().flat_view(self._contiguous(t.detach()))
+        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, out)
+        return torch.from_numpy(out)
 
     def take_sample(self, t: torch.Tensor, key: str, row: Held | np.ndarray) -> Held:
         """The sample of an ``eligible_large`` tensor whose stats row is known already (the same
         tensor summarised earlier), held with that row."""
-        x = compiled_kernels().flat_view(t.detach().contiguous())
+        x = compiled_kernels().flat_view(self._contiguous(t.detach()))
         blk, k = self._slot(x.dtype)
         blk[3][k] = row.row()[:len(FIELDS)] if isinstance(row, Held) else row[:len(FIELDS)]
         compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[1][k])

@@ -48,7 +48,10 @@ def pack_samples(host: list[torch.Tensor], fulls: list[bool]) -> None:
         if not full and t is not None and t.is_cpu and t.numel():
             by_dtype.setdefault(t.dtype, []).append(i)
     for idxs in by_dtype.values():
-        if len(idxs) < 2:
+        if len(idxs) < 2:  # alone: copied out where it is a view into a larger block
+            t = host[idxs[0]]
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                host[idxs[0]] = t.clone()
             continue
         parts = [host[i].reshape(-1) for i in idxs]
         # mapped on its own (store/buffers.py): a block held for many steps inside malloc's

@@ -61,7 +61,7 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: bool,
                         scale: float | None, blocks: dict | None = None) -> torch.Tensor:
     """The weighted |logit| max of scaled_dot_product_attention, recomputed in row blocks; on
-    the host into ``blocks`` (shape -> a block of logits the watch keeps for its next calls)."""
+    the host into ``blocks["flat"]`` (one block the watch keeps for its next calls, grown)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.dim() >= 3 and k.dim() == q.dim() and q.shape[-3] != k.shape[-3] \
             and q.shape[-3] % k.shape[-3] == 0:  # grouped-query attention
@@ -76,10 +76,10 @@ def _sdpa_logits_absmax(q: torch.Tensor, k: torch.Tensor, mask: Any, causal: boo
         qb = q.detach()[..., lo:lo + rows, :].float()
         shape = torch.broadcast_shapes(qb.shape[:-2], kt.shape[:-2]) + (qb.shape[-2], lk)
         if blocks is not None and q.device.type == "cpu":
-            if shape not in blocks:
-                blocks.clear()  # one shape kept: the next layer's attention has the same
-                blocks[shape] = mapped_empty(shape, torch.float32)  # never malloc's (buffers.py)
-            s = torch.matmul(qb, kt, out=blocks[shape]).mul_(scale)
+            n = math.prod(shape)
+            if blocks.get("flat") is None or blocks["flat"].numel() < n:  # one block, grown
+                blocks["flat"] = mapped_empty((n,), torch.float32)  # never malloc's (buffers.py)
+            s = torch.matmul(qb, kt, out=blocks["flat"][:n].view(shape)).mul_(scale)
         else:
             s = (qb @ kt).mul_(scale)
         if causal:

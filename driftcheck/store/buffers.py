@@ -37,7 +37,7 @@ def mapped_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     into the heap, and change how the model's own memory is laid out and faulted in (a 349M
     Llama's first traced step paid ~2 GB more heap). Memory mapped here never moves it."""
     nbytes = max(1, math.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    memory = mmap.mmap(-1, nbytes + (-nbytes % PAGE))
+    memory = mmap.mmap(-1, nbytes + (-nbytes % PAGE), flags=mmap.MAP_PRIVATE)  # as malloc's own
     raw = torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory`` for as long as it lives
     return raw[:nbytes].view(dtype)[:math.prod(shape)].view(shape)
 

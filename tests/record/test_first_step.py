@@ -103,6 +103,8 @@ class Attention(nn.Module):  # every tensor the model frees <= 400 KB; its logit
     def __init__(self):
         super().__init__()
         self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+        # captured each step (buffers, params phase): not contiguous, a copy to summarise it
+        self.register_buffer("table", torch.randn(2048, 2048).t())
 
     def forward(self, x):
         q, k, v = self.qkv(x).view(1, 512, 3, 16, 4).permute(2, 0, 3, 1, 4)
@@ -143,8 +145,9 @@ def test_the_tracers_own_buffers_leave_mallocs_mmap_threshold_alone(tmp_path):
     recomputed attention logits (16 MB here) allocated and freed through malloc moved every later
     allocation below that size into the heap, the model's included (a 349M Llama's first traced
     step: ~1.3 GB more heap before the optimizer's step). The tracer's working buffers are mapped
-    on their own (store/buffers.py mapped_empty): after traced steps an 8 MB allocation is still
-    a mapping of its own, as after the same steps untraced. (The interpreter's own growth, the
+    on their own (store/buffers.py mapped_empty), and so is the copy through which a large
+    capture that is not contiguous (a 16 MB transposed buffer here) is summarised: after traced
+    steps an 8 MB allocation is still a mapping of its own, as after the same steps untraced. (The interpreter's own growth, the
     modules driftcheck imports, moves the threshold to ~2-4 MB, not 8.)"""
     assert _threshold_run(tmp_path, "untraced")["mapped"] == 1  # the probe works: 8 MB is mapped
     assert _threshold_run(tmp_path, "traced")["mapped"] == 1

@@ -293,8 +293,7 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary():
     cases = _host_cases() * 40  # 320 captures: a second block of rows and samples
     keys = [f"0/forward/m{i}/0/output" for i in range(len(cases))]
     host = HostSummaries(seed=7)
-    helds = [host.take(t, k) for t, k in zip(cases, keys)]
-    got = [(h.row(), h.sample()) for h in helds]
+    got = [(h.row(), h.sample()) for h in (host.take(t, k) for t, k in zip(cases, keys))]
     want_rows, want_samples = stats.summarize(cases, keys, 7)
     for t, (row, sample), want_row, want_sample in zip(cases, got, want_rows, want_samples):
         assert HostSummaries.eligible(t)
@@ -305,10 +304,9 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary():
         np.testing.assert_allclose(row, want, rtol=1e-14, atol=0)  # mean, std, l2
         assert sample.dtype == t.dtype and sample.shape == want_sample.shape
         assert sample.numpy().tobytes() == want_sample.numpy().tobytes()
-    for t, h, (_, sample) in zip(cases, helds, got):  # a short sample: its own bytes (no pinned block)
-        block = h.block[1]
-        inside = block.ctypes.data <= sample.data_ptr() < block.ctypes.data + block.nbytes
-        assert inside == (t.numel() >= stats.SAMPLE_SIZE)
+    for t, (_, sample) in zip(cases, got):  # a short sample: its own bytes (no pinned block)
+        owns = sample.untyped_storage().nbytes() == sample.nbytes
+        assert owns == (t.numel() < stats.SAMPLE_SIZE)
     assert not HostSummaries.eligible(torch.zeros(0))  # zero-size: the general path
     assert not HostSummaries.eligible(torch.ones(3, dtype=torch.bfloat16))
     assert not HostSummaries.eligible(torch.ones(stats.BIG))
@@ -331,9 +329,57 @@ def test_held_large_summaries_equal_summarize_one(dtype):
         again = host.take_sample(t, "1/forward/other/0/output", held)  # the row known, a new key
         assert np.array_equal(again.row(), held.row(), equal_nan=True)
         assert torch.equal(again.sample(), stats.large_sample(t, "1/forward/other/0/output", 5))
+    for n in (400, 600):  # not contiguous: copied into the scratch block (600: it grows)
+        nc = torch.randn(300, n, generator=g, dtype=dtype).t()
+        held = host.take_large(nc, f"k/{n}")
+        row, sample = stats.summarize_one(nc, f"k/{n}", 5)
+        np.testing.assert_array_equal(held.row()[:len(stats.FIELDS)], row[:len(stats.FIELDS)])
+        assert held.sample().numpy().tobytes() == sample.numpy().tobytes()
+        assert torch.equal(host.sample(nc, f"k/{n}"), stats.large_sample(nc, f"k/{n}", 5))
     bad = torch.randn(stats.BIG, dtype=dtype)
     bad[7] = float("nan")
     assert host.take_large(bad, "k") is None
+
+
+def test_a_lone_sample_reaches_the_writer_without_its_block():
+    """A flush packs its samples into one block per dtype; a sample alone in its dtype (one
+    capture a flush, ``transfer="per-capture"``) is copied out of the HostSummaries block, which
+    it would otherwise keep alive in the writer's queue (512 KB for its 2 KB)."""
+    from driftcheck.record.transfer import pack_samples
+
+    host = HostSummaries(0)
+    sample = host.take_large(torch.randn(stats.BIG), "k").sample()
+    assert sample.untyped_storage().nbytes() > sample.nbytes  # a view into the block
+    got = [sample]
+    pack_samples(got, [False])
+    assert got[0].untyped_storage().nbytes() == got[0].nbytes and torch.equal(got[0], sample)
+
+
+def test_a_large_capture_with_nan_takes_the_exact_path(tmp_path):
+    """Not all finite: the one-pass row is not taken (the exact masking path is); its counts
+    and sample are those of the values."""
+    class Poison(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y[0, 3] = float("nan")
+            y[1, 5] = float("inf")
+            return y
+
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), Poison())
+    x = torch.randn(256, 300)
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w, mode="stats").attach()
+        with torch.no_grad():
+            want = model(x)
+        tracer.step()
+        tracer.detach()
+        w.close({})
+    reader = TraceReader(tmp_path / "t")
+    e = next(e for e in reader.entries if e["module"] == "1" and e["slot"] == "output")
+    assert (e["stats"]["nan"], e["stats"]["inf"], e["stats"]["numel"]) == (1, 1, want.numel())
+    idx = torch.from_numpy(stats.sample_indices(e["key"], want.numel(), 0))
+    torch.testing.assert_close(reader.tensor(e, "sample"), want.reshape(-1)[idx], rtol=0, atol=0,
+                               equal_nan=True)
 
 
 def test_stats_mode_holds_host_captures_without_a_tensor_each(tmp_path):

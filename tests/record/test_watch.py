@@ -123,3 +123,22 @@ def test_the_watch_sees_each_softmax_once():
         torch.softmax(torch.randn(2, 3), -1)
         torch.randn(2, 3).log_softmax(-1)
     assert len(seen) == 2
+
+
+def test_the_recomputed_logits_block_is_one_block_kept_across_calls(monkeypatch):
+    """The host's block of recomputed attention logits is allocated once and kept (in mapped
+    memory: store/buffers.py mapped_empty), a shorter last row block a view of its start: a
+    block freed through malloc at each call moved glibc's mmap threshold for the whole process."""
+    from driftcheck.record import watch
+
+    made = []
+    real = watch.mapped_empty
+    monkeypatch.setattr(watch, "_SDPA_BLOCK", 1 << 16)  # blocks of 65 x 1000 logits: a tail of 25
+    monkeypatch.setattr(watch, "mapped_empty", lambda *a: made.append(a) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    blocks: dict = {}
+    for layer in range(4):
+        q, k = torch.randn(1, 1, 1000, 8, generator=g) * 4, torch.randn(1, 1, 1000, 8, generator=g) * 4
+        got = watch._sdpa_logits_absmax(q, k, None, True, None, blocks)
+        assert torch.equal(got, watch._sdpa_logits_absmax(q, k, None, True, None, None)), layer
+    assert len(made) == 1, made
