@@ -32,6 +32,21 @@ from driftcheck.store.buffers import mapped_empty
 _TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
+class _Block:
+    """BLOCK captures' rows and samples, in mapped memory; the numpy views the kernels write
+    through are made once here (a view per capture would be an allocation per capture)."""
+
+    __slots__ = ("columns", "rows", "samples", "samples_np", "used")
+
+    def __init__(self, dtype: np.dtype, size: int) -> None:
+        self.rows = mapped_empty((size, len(COLUMNS)), torch.float64).numpy()
+        self.rows.fill(np.nan)  # fp8 columns: NaN, not fp8
+        self.columns = self.rows[:, :len(FIELDS)]  # what the kernels fill
+        self.samples = mapped_empty((size, SAMPLE_SIZE), _TORCH[dtype])
+        self.samples_np = self.samples.numpy()
+        self.used = 0
+
+
 class Held:
     """One capture's stats row and sample in a HostSummaries block: ``row()`` (a float64 numpy
     row as ``stats.summarize`` makes it) and ``sample()`` (the tensor the trace stores), made
@@ -39,23 +54,23 @@ class Held:
 
     __slots__ = ("block", "k", "n")
 
-    def __init__(self, block: list, k: int, n: int) -> None:
-        self.block = block  # [rows, samples, used, stats columns, samples as a tensor]
+    def __init__(self, block: _Block, k: int, n: int) -> None:
+        self.block = block
         self.k = k
         self.n = n  # sample length
 
     @property
     def nbytes(self) -> int:
-        return self.n * self.block[1].itemsize
+        return self.n * self.block.samples_np.itemsize
 
     def row(self) -> np.ndarray:
-        return self.block[0][self.k]
+        return self.block.rows[self.k]
 
     def sample(self) -> torch.Tensor:
         """A view into the block (transfer.pack_samples packs it, or copies it out where it is
         alone); a short sample copied out now: a view would pin the whole block (up to 512x
         its own bytes) in the writer's queue, whose memory bound counts the sample's bytes."""
-        values = self.block[4][self.k]
+        values = self.block.samples[self.k]
         return values if self.n == SAMPLE_SIZE else values[:self.n].clone()
 
 
@@ -71,8 +86,7 @@ class HostSummaries:
 
     def __init__(self, seed: int) -> None:
         self.base = base_points(seed)
-        # dtype -> [rows, samples, used, stats columns, samples as a tensor]
-        self._blocks: dict[np.dtype, list] = {}
+        self._blocks: dict[np.dtype, _Block] = {}  # the block being filled, per dtype
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # dtype -> a mapped block, reused
 
     @staticmethod
@@ -85,17 +99,12 @@ class HostSummaries:
         """Whether ``take_large`` and ``take_sample`` may (a large float host tensor)."""
         return t.is_cpu and t.dtype in HOST_DTYPES and t.numel() >= BIG
 
-    def _slot(self, dtype: np.dtype) -> tuple[list, int]:
+    def _slot(self, dtype: np.dtype) -> tuple[_Block, int]:
         blk = self._blocks.get(dtype)
-        if blk is None or blk[2] == self.BLOCK:
-            rows = mapped_empty((self.BLOCK, len(COLUMNS)), torch.float64).numpy()
-            rows.fill(np.nan)  # fp8 columns: NaN, not fp8
-            samples = mapped_empty((self.BLOCK, SAMPLE_SIZE), _TORCH[dtype])
-            blk = [rows, samples.numpy(), 0, rows[:, :len(FIELDS)], samples]
-            self._blocks[dtype] = blk
-        k = blk[2]
-        blk[2] = k + 1
-        return blk, k
+        if blk is None or blk.used == self.BLOCK:
+            blk = self._blocks[dtype] = _Block(dtype, self.BLOCK)
+        blk.used += 1
+        return blk, blk.used - 1
 
     def take(self, t: torch.Tensor, key: str) -> Held | None:
         """The stats row and sample of an ``eligible`` tensor without autograd history, or None
@@ -105,7 +114,8 @@ class HostSummaries:
         except (RuntimeError, TypeError):
             return None
         blk, k = self._slot(x.dtype)
-        compiled_kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[3], blk[1], k)
+        compiled_kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk.columns,
+                                          blk.samples_np, k)
         return Held(blk, k, min(x.size, SAMPLE_SIZE))
 
     def _contiguous(self, t: torch.Tensor) -> torch.Tensor:
@@ -142,6 +152,6 @@ class HostSummaries:
         tensor summarised earlier), held with that row."""
         x = compiled_kernels().flat_view(self._contiguous(t.detach()))
         blk, k = self._slot(x.dtype)
-        blk[3][k] = row.row()[:len(FIELDS)] if isinstance(row, Held) else row[:len(FIELDS)]
-        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk[1][k])
+        blk.columns[k] = row.row()[:len(FIELDS)] if isinstance(row, Held) else row[:len(FIELDS)]
+        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk.samples_np[k])
         return Held(blk, k, SAMPLE_SIZE)
