@@ -41,7 +41,7 @@ class Pending:
     def __init__(self, entry: dict[str, Any], tensor: torch.Tensor,
                  dev_meta: dict[str, torch.Tensor] | None, summary: Summary | None = None) -> None:
         self.entry = entry
-        self.tensor = tensor
+        self.tensor: Any = tensor  # None once handed to the writer
         self.dev_meta = dev_meta
         self.summary: Any = summary  # (stats row, sample) or a Held, taken at hook time, not a copy
 
@@ -310,7 +310,13 @@ class Capture:
                 stat_lists[i] = row
             meta_host = meta_vals.cpu().tolist() if meta_vals is not None else []
         transfer.apply_meta(pending, metas, meta_host)
-        for p, row, full, host in zip(pending, stat_lists, fulls, host_tensors):
+        # each copy handed over held by the writer alone: its memory comes back to the writer's
+        # pool once written (store/buffers.py), also while this loop still runs
+        todo: list[Any] = pending
+        hosts: list[Any] = host_tensors
+        for i, (row, full) in enumerate(zip(stat_lists, fulls)):
+            p, host = todo[i], hosts[i]
+            todo[i] = hosts[i] = p.tensor = None
             p.entry.pop("sample_key", None)  # the positions are the replayed entry's
             p.entry["stats"] = tstats.to_dict(row)
             if full:

@@ -4,6 +4,7 @@ after the optimizer step (``optimizer``). Parameters are captured under the modu
 them; tied parameters (a shared embedding and head) once, and named in the manifest."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,6 +98,16 @@ class StateCapture:
                 if isinstance(v, torch.Tensor):
                     self.capture(owner[0], "optimizer", 0, f"state.{owner[1]}.{k}", v)
 
+    def optimizer_hooks(self, optimizer: torch.optim.Optimizer, wrap: Callable[[Callable], Callable],
+                        deferred: bool) -> list[Any]:
+        """The optimizer's step hooks (each ``wrap``ped); their handles. Before the update: the
+        gradients, final now, to the writer, so they are written while it runs and their copies
+        are free for the state's (a deferred device's stay in the step's graph to its end, as do
+        those of a step with no update). After it: the parameters and the optimizer's state."""
+        pre = [] if deferred else [optimizer.register_step_pre_hook(
+            wrap(lambda opt, args, kwargs: self.capture_grads()))]
+        return pre + [optimizer.register_step_post_hook(wrap(lambda opt, args, kwargs: self.after_update()))]
+
     def grad_hook(self, p: torch.Tensor) -> None:
         """A post-accumulate-grad hook: the parameter's gradient, kept for the step's end (nothing
         where the ``grads`` phase or the parameter's module is not captured)."""
@@ -123,7 +134,10 @@ class StateCapture:
         """The step's parameter gradients, as phase ``grads``."""
         if not self.capture.wants("grads"):
             return
-        for pid, g in self.grads.items():
+        # taken out as captured: the writer holds each copy alone, and gives its memory back
+        grads, self.grads = self.grads, {}
+        for pid in list(grads):
+            g = grads.pop(pid)
             mod, leaf, _ = self.owners[pid]
             if not self.selected(mod):
                 continue

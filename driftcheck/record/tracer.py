@@ -215,8 +215,8 @@ class Tracer:
                     self.own(own_work(self.state.grad_hook))))
         self._handles += self.forward.keep_grads(self.state) if self.local is not None else []  # while replaying
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_post_hook(
-                self.own(own_work(lambda opt, args, kwargs: self.state.after_update()))))
+            self._handles += self.state.optimizer_hooks(self.optimizer, lambda f: self.own(own_work(f)),
+                                                        deferred=self.counts is not None)
         if self.update is not None:
             self._handles.extend(self.update.attach())
         self.calls.active = True

@@ -96,7 +96,7 @@ class TraceWriter:
     ``add`` keeps a reference to the tensor until it is written: callers pass copies they will
     not modify (the tracer does, it copies at hook time, into ``buffers``), nor read after
     ``add``: a tensor that is all of its storage, held by nothing else once written, is recycled
-    for the next copy of that size (store/buffers.py).
+    for a later copy (store/buffers.py).
     """
 
     def __init__(self, out: str | os.PathLike, *, force: bool = False,

@@ -498,3 +498,41 @@ def test_gradients_the_record_does_not_capture_are_not_kept(tmp_path, phases):
     assert kept == (set() if phases else {"1"}), kept  # no grads phase; only module 1 included
     grads = {e["module"] for e in TraceReader(tmp_path / "t").entries if e["phase"] == "grads"}
     assert grads == (set() if phases else {"1"})
+
+
+def test_gradients_go_to_the_writer_when_the_update_begins_as_they_were_accumulated(tmp_path):
+    """The optimizer's step pre-hook hands the step's gradients over (written while the update
+    runs, their copies free before its state is captured), as accumulated over two backwards,
+    before a clipping between backward and the update: what the trace holds is what backward
+    left, as at the step's end before."""
+    from driftcheck.store import TraceWriter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen: list[tuple[int, set[str]]] = []
+    with TraceWriter(tmp_path / "t") as w:
+        tr = Tracer(model, w, optimizer=opt, mode="full").attach()
+        # registered after the tracer's: sees what it left when the update starts
+        opt.register_step_pre_hook(lambda o, a, k: seen.append((len(tr.state.grads), {
+            p.entry["phase"] for p in tr.capture.pending} | {e["phase"] for e in w.entries})))
+        want = []
+        for _ in range(2):
+            for _ in range(2):  # two micro-batches
+                model(torch.randn(8, 64)).square().mean().backward()
+            want.append([p.grad.clone() for p in model.parameters()])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+            tr.step()
+        tr.detach()
+        w.close({})
+    assert [n for n, _ in seen] == [0, 0] and all("grads" in phases for _, phases in seen)
+    assert all("optimizer" not in phases for _, phases in seen[:1])
+    r = TraceReader(tmp_path / "t")
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(2):
+        for name, g in zip(names, want[step]):
+            mod, leaf = name.rsplit(".", 1)
+            got = r.tensor(next(e for e in r.entries if e["key"] == f"{step}/grads/{mod}/0/param.{leaf}"))
+            assert torch.equal(got, g), (step, name)

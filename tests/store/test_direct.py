@@ -166,14 +166,55 @@ def test_host_buffers_recycle_only_what_nobody_else_holds():
     assert d.is_contiguous() and torch.equal(d, nc)
 
 
-def test_host_buffers_hold_at_most_their_limit():
+def test_host_buffers_keep_what_a_step_lends_at_once_and_no_more():
+    """Buffers lent out together (a step's gradients held to its end, beyond the queue) come
+    back and serve the next step without a mapping made or unmapped; beyond that peak the free
+    list keeps at most ``limit`` bytes, the oldest given back unmapped first."""
     pool = HostBuffers(limit=3 * MIN_BYTES)
-    copies = [pool.copy(torch.randn(MIN_BYTES // 4)) for _ in range(5)]
-    for t in copies:
-        pool.give(t)
-    assert pool._free_bytes == 3 * MIN_BYTES
+    for step in range(3):
+        copies = [pool.copy(torch.randn(MIN_BYTES // 4)) for _ in range(5)]  # lent at once
+        ptrs = {t.data_ptr() for t in copies}
+        for t in copies:
+            pool.give(t)
+        del t
+        copies.clear()
+        assert pool.mapped == 5 and pool.peak == 5 * MIN_BYTES  # the first step's five, reused
+        assert pool._free_bytes == 5 * MIN_BYTES and pool.reused == 5 * step
+    # One at a time now: the peak stays, and the five wait for the next step's peak.
+    one = pool.copy(torch.randn(MIN_BYTES // 4))
+    pool.give(one)
+    del one
+    assert pool._free_bytes == 5 * MIN_BYTES
+    # A size none of them fits (more than FIT times smaller would waste; larger cannot): mapped,
+    # and when it comes back the oldest free buffers make room for it.
+    big = pool.copy(torch.randn(MIN_BYTES))  # 4 x MIN_BYTES
+    assert pool.mapped == 6 and big.data_ptr() not in ptrs
+    newest, at = list(pool._order)[-1], big.data_ptr()
+    pool.give(big)
+    del big
+    assert list(pool._order) == [newest, at]  # the four oldest made room
+    assert pool._free_bytes == pool._live == 5 * MIN_BYTES  # and were unmapped
     pool.clear()
-    assert pool._free_bytes == 0
+    assert pool._free_bytes == 0 and not pool._order
+
+
+def test_host_buffers_take_the_smallest_free_buffer_that_fits():
+    pool = HostBuffers(limit=1 << 30)
+    four, two = pool.copy(torch.randn(MIN_BYTES)), pool.copy(torch.randn(MIN_BYTES // 2))
+    at4, at2 = four.data_ptr(), two.data_ptr()
+    pool.give(four)
+    pool.give(two)
+    del four, two
+    x = torch.randn(MIN_BYTES // 4 * 3 // 2)  # 1.5 x MIN_BYTES: fits the two (2x) best
+    a = pool.copy(x)
+    assert a.data_ptr() == at2 and torch.equal(a, x) and a.shape == x.shape
+    b = pool.copy(torch.randn(MIN_BYTES // 4))  # 1 x MIN_BYTES: the four is 4x, beyond FIT
+    assert b.data_ptr() != at4 and pool.mapped == 3
+    c = pool.copy(torch.randn(MIN_BYTES // 2))  # 2 x MIN_BYTES: the four, at FIT
+    assert c.data_ptr() == at4 and pool.reused == 2
+    pool.give(c)  # a buffer larger than its copy goes back whole
+    del c
+    assert pool._free.get(4 * MIN_BYTES) and pool._free_bytes == 4 * MIN_BYTES
 
 
 class _Wide(nn.Module):
@@ -191,19 +232,25 @@ def test_full_mode_recycles_its_copies_and_takes_kept_statistics_in_the_hook(tmp
     model = _Wide()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(256, 256)
-    with TraceWriter(tmp_path / "t", shard_bytes=1 << 20) as w:  # shards written as steps run
+    mapped = []
+    # shards written as steps run, through a queue smaller than a step's copies
+    with TraceWriter(tmp_path / "t", shard_bytes=1 << 20, queue_bytes=4 * MIN_BYTES) as w:
         tracer = Tracer(model, w, optimizer=opt).attach()
-        for _ in range(3):
+        for _ in range(4):
             loss = model(x).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
             tracer.step(loss)
+            w.drain()
+            mapped.append(w.buffers.mapped)
         tracer.detach()
-        w.drain()
         reused = w.buffers.reused
-        w.close({"steps": 3})
+        w.close({"steps": 4})
     assert reused > 0  # later steps copied into memory the writer gave back
+    # after the first step (and the second, where the gradients' copies first come back),
+    # nothing is mapped: each step's copies, its gradients held to the update included, reuse
+    assert mapped[1] == mapped[2] == mapped[3], mapped
     r = TraceReader(tmp_path / "t")
     big = [e for e in r.entries if e["shape"] and torch.Size(e["shape"]).numel() >= tstats.BIG]
     assert {e["phase"] for e in big} >= {"forward", "backward", "grads", "optimizer", "params"}
