@@ -5,15 +5,15 @@ A full-mode step copies every captured tensor (the 16M-parameter Llama: ~1.1 GB 
 frees each copy once its shard is written. Fresh allocations of that size are fresh pages:
 every one faults in and is zeroed by the kernel, and freeing it unmaps it again; measured, the
 kernel's share of such a step was larger than the copies themselves. The same shapes come back
-every step, so a copy is made into a buffer of the same byte size that the writer gave back.
+every step, so a copy is made into a buffer that the writer gave back.
 
 Memory given back to the system and mapped again is the costly part (each page faulted in and
 zeroed by the kernel; on a VM that reports free memory to its host, faulted in from the host
 too: the 349M Llama's optimizer step ran 4x slower in a traced process with the same number of
 faults). So the pool keeps what a step needs at once: the free list holds up to ``limit``
 bytes, or more where the copies lent out at the busiest moment so far (``peak``: a step's
-gradients are held until its end, beyond the writer's queue) would otherwise be unmapped and
-mapped again next step. Its total never exceeds the larger of that peak and what is lent out
+gradients are held from their hooks until the update begins, beyond the writer's queue) would
+otherwise be unmapped and mapped again next step. Its total never exceeds the larger of that peak and what is lent out
 now plus ``limit``. A copy takes the smallest free buffer that fits, up to ``FIT`` times its
 size (a step's phases capture different sizes: activations, then parameter-shaped gradients
 and optimizer state), the one given back last; the oldest given back make room.
@@ -58,8 +58,9 @@ def mapped_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
 
 class HostBuffers:
     """Recycled host buffers for captured copies. ``copy(t)`` makes a contiguous host copy of
-    ``t``; the writer ``give(t)``s each tensor back once its bytes are written. At most
-    ``limit`` bytes wait in the free list; ``clear()`` drops them."""
+    ``t``; the writer ``give(t)``s each tensor back once its bytes are written. The free list
+    holds at most ``limit`` bytes beyond the most lent out at once so far (module docstring);
+    ``clear()`` drops it."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

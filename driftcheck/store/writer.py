@@ -133,7 +133,7 @@ class TraceWriter:
             collections.deque()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        # copies waiting to be written, recycled once they are (at most queue_bytes kept free)
+        # copies waiting to be written, recycled once they are (store/buffers.py)
         self.buffers = HostBuffers(self.queue_bytes)
         self._stage = DirectStage() if direct else None  # the writer thread's staging block
 
