@@ -120,7 +120,8 @@ class StateCapture:
         if type(g) is torch.Tensor and g.layout == torch.strided and g.numel() >= tstats.BIG:
             # A large gradient is taken now as any capture is (stats mode: its summary, rather
             # than a copy for the end of the step; a later in-place op, clipping or zero_grad,
-            # cannot reach either). With gradient accumulation the last backward's is kept.
+            # cannot reach either). With gradient accumulation the last backward's is kept; with
+            # two updates in one step, the first's (optimizer_hooks), as for its state.
             # Kept: (the live gradient, or the copy full mode keeps; its summary), or the copy.
             sk = sample_key(self.capture.step, "grads", mod, 0, f"param.{leaf}")
             with self.capture.quiet():  # the tracer's own ops stay out of the view audit

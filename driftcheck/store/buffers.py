@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import math
 import mmap
 import threading
@@ -65,13 +66,18 @@ class HostBuffers:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._lock = threading.RLock()  # a finalizer (_forget) may run inside give() on this thread
-        # byte size -> {address: uint8 buffer}, each in the order given back
+        # byte size -> {address: uint8 buffer}, each in the order given back (no empty ones)
         self._free: dict[int, dict[int, torch.Tensor]] = {}
         self._sizes: list[int] = []  # the keys of _free, ascending
         self._order: collections.OrderedDict[int, int] = collections.OrderedDict()  # address -> size, oldest first
         self._free_bytes = 0
-        self._ours: dict[int, int] = {}  # address -> capacity of each live buffer it allocated
-        self._live = 0  # their total: lent out, or free
+        # address -> (capacity, serial, storage) of each buffer it mapped, for give() to know its
+        # own; serial -> capacity of those mapped and not yet unmapped (an address can be mapped
+        # again before the finalizer of the memory unmapped there has run)
+        self._ours: dict[int, tuple[int, int, int]] = {}
+        self._caps: dict[int, int] = {}
+        self._serials = itertools.count()
+        self._live = 0  # the capacities in _caps: lent out, or free
         self.peak = 0  # the most bytes lent out at once so far
         self.reused = 0  # copies made into a given-back buffer (tests, benchmarks)
         self.mapped = 0  # buffers mapped (tests, benchmarks)
@@ -93,28 +99,29 @@ class HostBuffers:
                 or t.is_quantized:
             return None
         cap = nbytes + (-nbytes % PAGE)
-        buf = None
+        buf, evicted = None, []
         with self._lock:
-            for size in self._sizes[bisect.bisect_left(self._sizes, cap):]:
-                if size > cap * FIT:
-                    break
-                free = self._free[size]
-                if free:  # the one given back last: the likeliest still in cache
-                    address, buf = free.popitem()
-                    del self._order[address]
-                    self._free_bytes -= size
-                    self.reused += 1
-                    break
+            at = bisect.bisect_left(self._sizes, cap)
+            if at < len(self._sizes) and self._sizes[at] <= cap * FIT:  # the smallest that fits
+                size = self._sizes[at]
+                address, buf = self._free[size].popitem()  # the one given back last: in cache
+                self._unlist(size, address)
+                self.reused += 1
         if buf is None:  # anonymous memory of its own: page-aligned, private (as malloc's)
             memory = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
             buf = torch.frombuffer(memory, dtype=torch.uint8)
+            serial = next(self._serials)
             with self._lock:
-                self._ours[buf.data_ptr()] = cap
+                self._ours[buf.data_ptr()] = (cap, serial, buf.untyped_storage()._cdata)
+                self._caps[serial] = cap
                 self._live += cap
                 self.mapped += 1
-            weakref.finalize(memory, self._forget, buf.data_ptr())  # when the memory goes
+                lent = self._live - self._free_bytes
+                evicted = self._trim(max(self.limit, max(self.peak, lent) - lent))
+            weakref.finalize(memory, self._forget, buf.data_ptr(), serial)  # when the memory goes
         with self._lock:
             self.peak = max(self.peak, self._live - self._free_bytes)
+        del evicted  # unmapped here, outside the lock
         # a tensor of its own over the buffer's storage (a view would hold the buffer as its base)
         return torch.empty(0, dtype=t.dtype).set_(  # type: ignore[call-overload]  # (source, offset, size): no stub
             buf.untyped_storage(), 0, t.shape)
@@ -127,23 +134,21 @@ class HostBuffers:
         if nbytes < MIN_BYTES or t.device.type != "cpu" or t.layout != torch.strided \
                 or t.is_quantized or t.storage_offset() != 0 or t.data_ptr() % PAGE:
             return
-        cap = self._ours.get(t.data_ptr())
+        ours = self._ours.get(t.data_ptr())
         storage = t.untyped_storage()
-        # one of ours, held by ``t`` and the storage object just asked for alone
-        if cap is None or storage.nbytes() != cap \
+        # one of ours (the storage it mapped, whole), held by ``t`` and the storage object just
+        # asked for alone
+        if ours is None or storage._cdata != ours[2] or storage.nbytes() != ours[0] \
                 or torch._C._storage_Use_Count(storage._cdata) != 2:
             return
+        cap = ours[0]
         buf = torch.empty(0, dtype=torch.uint8).set_(storage)
-        evicted = []
         with self._lock:
             lent = self._live - self._free_bytes - cap  # lent out, once this one is back
             room = max(self.limit, self.peak - lent)
             if cap > room:
                 return
-            while self._free_bytes + cap > room:  # the oldest make room
-                address, size = self._order.popitem(last=False)
-                evicted.append(self._free[size].pop(address))
-                self._free_bytes -= size
+            evicted = self._trim(room - cap)  # the oldest given back make room
             if cap not in self._free:
                 bisect.insort(self._sizes, cap)
                 self._free[cap] = {}
@@ -152,13 +157,32 @@ class HostBuffers:
             self._free_bytes += cap
         del evicted  # unmapped here, outside the lock
 
-    def _forget(self, address: int) -> None:
+    def _unlist(self, size: int, address: int) -> None:
+        """Bookkeeping of a buffer taken off the free list (the lock held)."""
+        del self._order[address]
+        self._free_bytes -= size
+        if not self._free[size]:
+            del self._free[size]
+            self._sizes.remove(size)
+
+    def _trim(self, room: int) -> list[torch.Tensor]:
+        """The oldest free buffers off the list until it holds at most ``room`` bytes (the lock
+        held); they are no longer counted as mapped, and are unmapped once the caller drops them."""
+        evicted = []
+        while self._free_bytes > room:
+            address, size = next(iter(self._order.items()))
+            evicted.append(self._free[size].pop(address))
+            self._unlist(size, address)
+            self._live -= self._caps.pop(self._ours.pop(address)[1])
+        return evicted
+
+    def _forget(self, address: int, serial: int) -> None:
+        """The memory mapped as ``serial`` is unmapped (a finalizer)."""
         with self._lock:
-            self._live -= self._ours.pop(address, 0)
+            self._live -= self._caps.pop(serial, 0)  # (0: evicted, counted off then)
+            if self._ours.get(address, (0, -1))[1] == serial:
+                del self._ours[address]
 
     def clear(self) -> None:
         with self._lock:
-            self._free.clear()
-            self._sizes.clear()
-            self._order.clear()
-            self._free_bytes = 0
+            self._trim(0)

@@ -508,7 +508,8 @@ def test_gradients_go_to_the_writer_when_the_update_begins_as_they_were_accumula
     from driftcheck.store import TraceWriter
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    # a weight of stats.BIG elements (its gradient copied and summarised in the hook) and small ones
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     seen: list[tuple[int, set[str]]] = []
     with TraceWriter(tmp_path / "t") as w:
@@ -519,7 +520,7 @@ def test_gradients_go_to_the_writer_when_the_update_begins_as_they_were_accumula
         want = []
         for _ in range(2):
             for _ in range(2):  # two micro-batches
-                model(torch.randn(8, 64)).square().mean().backward()
+                model(torch.randn(8, 256)).square().mean().backward()
             want.append([p.grad.clone() for p in model.parameters()])
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             opt.step()

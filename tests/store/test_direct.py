@@ -249,7 +249,7 @@ def test_full_mode_recycles_its_copies_and_takes_kept_statistics_in_the_hook(tmp
         w.close({"steps": 4})
     assert reused > 0  # later steps copied into memory the writer gave back
     # after the first step (and the second, where the gradients' copies first come back),
-    # nothing is mapped: each step's copies, its gradients held to the update included, reuse
+    # nothing is mapped: each step's copies reuse the memory of the step before's
     assert mapped[1] == mapped[2] == mapped[3], mapped
     r = TraceReader(tmp_path / "t")
     big = [e for e in r.entries if e["shape"] and torch.Size(e["shape"]).numel() >= tstats.BIG]
@@ -275,3 +275,49 @@ def test_a_copy_waiting_in_two_shards_is_not_recycled_after_the_first(tmp_path):
     pool_writer.close({"steps": 1})
     r = TraceReader(tmp_path / "t")
     assert torch.equal(r.tensor(r.entries[1]), want) and y.data_ptr() != x.data_ptr()
+
+
+def test_host_buffers_stay_within_their_bound_when_a_phase_maps_new_sizes():
+    """A phase whose sizes no free buffer fits maps new ones: the free list gives up its oldest
+    as it does, so the pool never holds more than the larger of its peak and what is lent out
+    now plus ``limit``."""
+    pool = HostBuffers(limit=MIN_BYTES)
+    lent = [pool.copy(torch.randn(MIN_BYTES // 4)) for _ in range(8)]
+    for t in lent:
+        pool.give(t)
+    del t
+    lent.clear()
+    other = [pool.copy(torch.randn(MIN_BYTES)) for _ in range(2)]  # 4 x MIN_BYTES each: no fit
+    now = pool._live - pool._free_bytes
+    assert now == 8 * MIN_BYTES and pool._live <= max(pool.peak, now + pool.limit), (pool._live, pool.peak)
+    assert len(other) == 2 and len(pool._sizes) == len(pool._free) == 1  # no empty size kept
+
+
+def test_host_buffers_count_right_when_an_address_is_mapped_again_before_its_finalizer():
+    """A copy dropped on the writer's thread is unmapped before its finalizer runs; the training
+    thread may map a new buffer at that address in between. The old finalizer must not take the
+    new buffer's entry (it would never be recycled, and the pool would count its bytes forever)."""
+    import queue
+    import sys
+    import threading
+
+    pool = HostBuffers(limit=0)  # nothing kept free: each buffer dropped is unmapped
+    q: queue.Queue = queue.Queue(maxsize=4)
+    n = 4000
+
+    def writer():
+        for _ in range(n):
+            q.get()  # dropped at once: the last reference
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        th = threading.Thread(target=writer)
+        th.start()
+        src = torch.randn(MIN_BYTES // 4)
+        for _ in range(n):
+            q.put(pool.copy(src))
+        th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert pool._live == 0 and not pool._ours and pool.peak <= 6 * MIN_BYTES, (pool._live, pool.peak)
