@@ -116,11 +116,11 @@ class HostBuffers:
                 self._caps[serial] = cap
                 self._live += cap
                 self.mapped += 1
-                lent = self._live - self._free_bytes
+                lent = self._lent()
                 evicted = self._trim(max(self.limit, max(self.peak, lent) - lent))
             weakref.finalize(memory, self._forget, buf.data_ptr(), serial)  # when the memory goes
         with self._lock:
-            self.peak = max(self.peak, self._live - self._free_bytes)
+            self.peak = max(self.peak, self._lent())
         del evicted  # unmapped here, outside the lock
         # a tensor of its own over the buffer's storage (a view would hold the buffer as its base)
         return torch.empty(0, dtype=t.dtype).set_(  # type: ignore[call-overload]  # (source, offset, size): no stub
@@ -129,7 +129,7 @@ class HostBuffers:
     def give(self, t: torch.Tensor) -> None:
         """``t`` is written and nobody will read it again: where ``t`` is all of its storage and
         nothing else holds that storage (no other tensor or view: its use count), the memory
-        may serve the next copy of that byte size."""
+        may serve a later copy."""
         nbytes = t.numel() * t.element_size()
         if nbytes < MIN_BYTES or t.device.type != "cpu" or t.layout != torch.strided \
                 or t.is_quantized or t.storage_offset() != 0 or t.data_ptr() % PAGE:
@@ -144,7 +144,7 @@ class HostBuffers:
         cap = ours[0]
         buf = torch.empty(0, dtype=torch.uint8).set_(storage)
         with self._lock:
-            lent = self._live - self._free_bytes - cap  # lent out, once this one is back
+            lent = self._lent() - cap  # lent out, once this one is back
             room = max(self.limit, self.peak - lent)
             if cap > room:
                 return
@@ -156,6 +156,10 @@ class HostBuffers:
             self._order[t.data_ptr()] = cap
             self._free_bytes += cap
         del evicted  # unmapped here, outside the lock
+
+    def _lent(self) -> int:
+        """Bytes of its buffers lent out now (the lock held)."""
+        return self._live - self._free_bytes
 
     def _unlist(self, size: int, address: int) -> None:
         """Bookkeeping of a buffer taken off the free list (the lock held)."""
