@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import torch
 
-from driftcheck.numerics import passes
+from driftcheck.numerics import chunks, passes
 
 # Column order of the stats vector; the manifest stores them under these names.
 FIELDS = ("min", "max", "mean", "std", "absmax", "l2", "nan", "inf", "numel")
@@ -238,15 +238,27 @@ def large_row(t: torch.Tensor, into: torch.Tensor | None = None) -> np.ndarray |
     """``_large_stats`` as a float64 numpy row, or None where the values are not all finite (or
     float64 overflows): the caller takes the exact masking path. ``into`` (contiguous, the
     dtype and size of a float32/float64 ``t``): ``t`` is copied there in the same pass."""
+    return _row(t, into, False)[0]
+
+
+def copy_row(t: torch.Tensor, into: torch.Tensor) -> tuple[np.ndarray | None, int]:
+    """``large_row(t, into)`` and the CRC32C of the copy's bytes, taken in the same pass (the
+    trace's checksum of the copy: the writer need not read it again)."""
+    row, value = _row(t, into, True)
+    assert value is not None
+    return row, value
+
+
+def _row(t: torch.Tensor, into: torch.Tensor | None, checksum: bool) -> tuple[np.ndarray | None, int | None]:
     kernels = compiled_kernels()
     if into is not None:
         x = kernels.flat_view(into)
-        s, sq, mn, mx = kernels.copy_stats(kernels.flat_view(t), x)
+        s, sq, mn, mx, value = chunks.stats(kernels.copy_stats, kernels.flat_view(t), x, checksum)
     else:
         x = kernels.host_array(t)
-        s, sq, mn, mx = kernels.dense_stats(x)
+        s, sq, mn, mx, value = chunks.stats(kernels.dense_stats, x)
     if not (math.isfinite(s) and math.isfinite(sq) and math.isfinite(mn) and math.isfinite(mx)):
-        return None
+        return None, value
     l2 = math.sqrt(sq)
     n = x.size
     mean = s / n
@@ -256,7 +268,7 @@ def large_row(t: torch.Tensor, into: torch.Tensor | None = None) -> np.ndarray |
     else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
         std = float(torch.std(torch.from_numpy(x), correction=0))
     nan = math.nan
-    return np.array([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan])
+    return np.array([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan]), value
 
 
 def summarize_one(t: torch.Tensor, key: str, seed: int) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 from driftcheck.numerics import dtypes, stats as tstats
 from driftcheck.record import transfer
 from driftcheck.record.config import CaptureConfig
+from driftcheck.record.copies import Copies, Same
 from driftcheck.record.host_summaries import Held, HostSummaries
 from driftcheck.record.parts import Parts, dtensor_layout
 from driftcheck.record.selection import Selection
@@ -44,6 +45,12 @@ class Pending:
         self.tensor: Any = tensor  # None once handed to the writer
         self.dev_meta = dev_meta
         self.summary: Any = summary  # (stats row, sample) or a Held, taken at hook time, not a copy
+
+
+# The CRC32C of a full-mode copy's bytes, taken in the pass that made it (``stats.copy_row``),
+# as an attribute of that tensor object: the writer then does not read the copy again for it.
+CHECKSUM = "_driftcheck_crc32c"
+
 
 
 Known = tuple[Any, ...]  # (weak ref, identity, row, sample key, sample) of a summarised tensor
@@ -75,6 +82,7 @@ class Capture:
         self.deferred = False
         self.host_now = False  # between a deferred device's steps: captures go to the host now
         self._host = HostSummaries(config.seed)
+        self._copies = Copies()
         # module path -> the layout of a plain tensor there that is a tensor-parallel shard (record/tensor_parallel.py)
         self.shards: dict[str, Callable[[str, str, torch.Tensor], dict[str, Any] | None]] = {}
         self.batch: tuple[int, int] | None = None  # fsdp-tp: this rank's data-parallel group, of how many
@@ -89,11 +97,14 @@ class Capture:
         self._seen_keys: set[str] = set()
         self._summaries: dict[int, Known] = {}  # id -> (ref, identity, row, key, sample)
         self._carried: dict[int, Known] = {}  # the step before's, for its parameters
+        self._copies.clear()  # the step's full-mode copies, by where their data lies
         return known
 
-    def carry(self, known: dict[int, Known]) -> None:
-        """Summaries of the step before that a parameter unchanged since may reuse ({}: none)."""
-        self._carried = known
+    def carry(self, known: dict[int, Known] | None) -> None:
+        """Summaries (and full mode's copies) of the step before that a parameter unchanged
+        since may reuse (None: none)."""
+        self._carried = known or {}
+        self._copies.carry(known is not None)
 
     def wants(self, phase: str) -> bool:
         """Whether ``phase`` of the step being traced is captured."""
@@ -184,6 +195,8 @@ class Capture:
             entry["meta"] = dict(extra)
         self.order += 1
         data: Any = t.detach()  # no autograd history: what follows records no graph (or a Held)
+        if not copy and CHECKSUM in t.__dict__:  # the tracer's own copy, its checksum taken
+            setattr(data, CHECKSUM, t.__dict__[CHECKSUM])
         # A local replay's sample holds the positions of the entry it replays: the same key.
         # A parameter or buffer after the update, those of the same tensor before it: the
         # sample difference is then the step's own update (compare's optimizer floor).
@@ -199,11 +212,16 @@ class Capture:
             data = summary
         elif summary is not None:  # (stats row, sample) taken earlier: only the sample is held
             data = summary[1] if summary[1] is not None else data  # (row, None): ``t`` is a copy
-        elif self.audit is None:
-            summary, data = self.take(data, t, module, phase, sk, copy)
+        elif (phase == "loss" or self.selection.full(module)) and (same := self._copies.same(data)) is not None:
+            summary, data = same.summary, same
         else:
-            with self.audit.paused():  # the tracer's own ops stay out of the view audit
+            if self.audit is None:
                 summary, data = self.take(data, t, module, phase, sk, copy)
+            else:
+                with self.audit.paused():  # the tracer's own ops stay out of the view audit
+                    summary, data = self.take(data, t, module, phase, sk, copy)
+            if copy and type(summary) is tuple and summary[1] is None and CHECKSUM in data.__dict__:
+                self._copies.remember(t, entry, summary, data.__dict__[CHECKSUM])  # a copy made now, the trace keeps
         self.pending.append(Pending(entry, data, dev_meta, summary))
         self.pending_bytes += data.nbytes
         self._seen_keys.add(skey)
@@ -281,7 +299,8 @@ class Capture:
         # The copy and its statistics in one pass over the source, while it is in cache, not a
         # second pass over the cold copy at the end of the step. Where the values are not all
         # finite, the row is left to the exact path there (the copy is made all the same).
-        row = tstats.large_row(data, into=kept)
+        row, checksum = tstats.copy_row(data, kept)
+        setattr(kept, CHECKSUM, checksum)  # on this tensor object alone: it dies with it
         return (None if row is None else (row, None)), kept
 
     def flush(self) -> None:
@@ -319,8 +338,10 @@ class Capture:
             todo[i] = hosts[i] = p.tensor = None
             p.entry.pop("sample_key", None)  # the positions are the replayed entry's
             p.entry["stats"] = tstats.to_dict(row)
-            if full:
-                self.writer.add(p.entry, host)
+            if type(host) is Same:
+                self.writer.add(p.entry, None, same=host.first)
+            elif full:
+                self.writer.add(p.entry, host, checksum=getattr(host, CHECKSUM, None))
             else:
                 self.writer.add(p.entry, None, sample=host)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from driftcheck.numerics import passes
+from driftcheck.numerics import chunks, passes
 from driftcheck.targets import deferred
 from driftcheck.targets.deferred import DEFERRED_TYPES
 
@@ -170,7 +170,7 @@ def _col_sumsq(x: torch.Tensor, k: int) -> torch.Tensor:
         from driftcheck.numerics import summary_kernels as kernels  # numba: imported where it is used
 
         out = np.empty(k, dtype=np.float64)
-        kernels.col_sumsq(kernels.flat_view(x), k, out)
+        chunks.col_sumsq(kernels.col_sumsq, kernels.flat_view(x), k, out)
         return torch.from_numpy(out).float()
     xs = x.reshape(-1, k)
     xs = xs if xs.dtype == torch.float32 else xs.float()

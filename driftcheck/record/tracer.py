@@ -297,7 +297,7 @@ class Tracer:
         if self.calls.active:  # the parameters after the update, unless changed (carried)
             self.capture.carry(known)
             self.state.params("params")
-            self.capture.carry({})
+            self.capture.carry(None)
         self.capture.host_now = False
 
     def _reset_step(self) -> dict[int, Any]:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from driftcheck.numerics import passes
+from driftcheck.numerics import chunks, passes
 from driftcheck.record.calls import CallKey, Calls
 from driftcheck.record.meta import kink_profile_of
 from driftcheck.store.buffers import mapped_empty
@@ -41,7 +41,7 @@ def _weighted_absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
         # while the row is in cache (the same float32 value as the torch ops below).
         from driftcheck.numerics import summary_kernels as k  # numba: imported where it is used
 
-        return torch.tensor(k.weighted_absmax(k.flat_view(x), x.shape[-1], LOGIT_SPAN))
+        return torch.tensor(chunks.row_max(k.weighted_absmax, k.flat_view(x), x.shape[-1], LOGIT_SPAN))
     if x.device.type in deferred.DEFERRED_TYPES:  # no amax/where kernels there: host fallbacks
         top = x.max(dim=dim, keepdim=True).values.float()
         fin = torch.isfinite(top)

@@ -51,7 +51,8 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
     A standard safetensors file (header padded to 8 bytes, tensors ordered by element size then
     name, so each is aligned) written without ``safetensors.torch.save_file``'s intermediate
     ``bytes`` copy of every tensor. Returns the file size. ``checksums``: filled with the CRC32C
-    of each tensor's bytes, as written. ``stage``: write with direct I/O through it where the
+    of each tensor's bytes, as written (a name already in it: its bytes' checksum is known,
+    taken where they were copied, and not computed again). ``stage``: write with direct I/O through it where the
     file system allows (``direct.DirectStage``: its layout), else buffered.
     """
     order = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
@@ -69,7 +70,7 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, torch.Te
         n = view.nbytes
         header[name] = header_entry(name, t, offset, n)
         offset += n
-        if checksums is not None:
+        if checksums is not None and name not in checksums:
             checksums[name] = crc32c.crc32c(view)
         if n:
             views.append(view)

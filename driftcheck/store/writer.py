@@ -139,25 +139,31 @@ class TraceWriter:
 
     # -- tensors -------------------------------------------------------------------------
     def add(self, entry: dict[str, Any], tensor: torch.Tensor | None,
-            sample: torch.Tensor | None = None) -> None:
-        """Add one manifest entry; ``tensor`` (a host tensor) is stored in the current shard."""
+            sample: torch.Tensor | None = None, checksum: int | None = None,
+            same: dict[str, Any] | None = None) -> None:
+        """Add one manifest entry; ``tensor`` (a host tensor) is stored in the current shard.
+        ``checksum``: the CRC32C of its bytes where the caller took it (in the pass that made
+        the copy): the writer does not read them again for it. ``same``: an entry added before
+        whose stored tensor this one's is too (the same data, captured twice)."""
         self._raise_if_failed()
         k = fmt.entry_align(entry)
         if k in self._keys:
             raise RuntimeError(f"duplicate trace key {entry['key']}")
         self._keys.add(k)
-        if tensor is not None:
-            entry["tensor"] = self._stash(entry["key"], tensor)
+        if same is not None:
+            if same.get("tensor") is None:
+                raise RuntimeError(f"entry {entry['key']} names the tensor of {same['key']}, which has none")
+            entry["tensor"] = same["tensor"]  # one reference: the writer's checksum reaches both
+        elif tensor is not None:
+            entry["tensor"] = self._stash(entry["key"], tensor, checksum)
         if sample is not None:
             entry["sample"] = self._stash(entry["key"] + "#sample", sample)
         self.entries.append(entry)
 
-    def _stash(self, name: str, tensor: torch.Tensor) -> dict[str, str]:
+    def _stash(self, name: str, tensor: torch.Tensor, checksum: int | None = None) -> dict[str, Any]:
         t = tensor.detach() if tensor.requires_grad else tensor
-        if not t.is_cpu:
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
+        if not t.is_cpu or not t.is_contiguous():  # other bytes than those the checksum read
+            t, checksum = t.cpu().contiguous(), None
         code_of(t.dtype, name)  # refuse an unstorable dtype now, not in the writer thread
         nbytes = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
@@ -167,7 +173,10 @@ class TraceWriter:
         self._pending_bytes += nbytes
         self.tensor_bytes += nbytes
         # the writer thread adds the CRC32C of the bytes it writes (manifest written after it)
-        ref = self._refs[name] = {"shard": self._shard_name, "name": name}
+        ref: dict[str, Any] = {"shard": self._shard_name, "name": name}
+        if checksum is not None:
+            ref["crc32c"] = checksum
+        self._refs[name] = ref
         return ref
 
     def _reserve(self, nbytes: int) -> None:
@@ -226,7 +235,7 @@ class TraceWriter:
                 tmp = self.dir / f".{name}.tmp"
                 # fsync at close, once for all shards: a sync per shard would stall the pipeline
                 # on the device while the next shard waits (dd's conv=fsync does the same).
-                sums: dict[str, int] = {}
+                sums = {n: r["crc32c"] for n, r in refs.items() if "crc32c" in r}  # known
                 write_safetensors(tmp, tensors, fsync=False, checksums=sums, stage=self._stage)
                 for tensor_name, value in sums.items():
                     refs[tensor_name]["crc32c"] = value

@@ -321,3 +321,41 @@ def test_host_buffers_count_right_when_an_address_is_mapped_again_before_its_fin
     finally:
         sys.setswitchinterval(interval)
     assert pool._live == 0 and not pool._ours and pool.peak <= 6 * MIN_BYTES, (pool._live, pool.peak)
+
+
+def test_full_mode_checksums_its_copies_as_it_makes_them(tmp_path, monkeypatch):
+    """A full-mode copy's CRC32C is taken in the pass that makes it (chunk by chunk, on two
+    threads, combined): the manifest's checksum is that of the bytes on disk (the reader checks
+    each on read), and the writer reads none of those copies again for it."""
+    from driftcheck.numerics import chunks
+    from driftcheck.store import shard as store_shard
+
+    monkeypatch.setattr(chunks, "threads", lambda n: min(n, 2))  # two, whatever torch has
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Tanh(), nn.Linear(2048, 4))  # 2M-element weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(600, 1024)  # a (600, 2048) activation: two chunks and a part
+    read = []
+    for mod in (store_direct, store_shard):
+        real = mod.crc32c.crc32c
+        monkeypatch.setattr(mod, "crc32c", type("C", (), {"crc32c": staticmethod(
+            lambda b, v=0, real=real: read.append(memoryview(b).nbytes) or real(b, v))}))
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w, optimizer=opt).attach()
+        for _ in range(2):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            tracer.step(loss)
+        tracer.detach()
+        w.close({"steps": 2})
+    written = list(read)  # (the reader checksums what it reads, below)
+    r = TraceReader(tmp_path / "t")
+    large = [e for e in r.entries if torch.Size(e["shape"]).numel() > chunks.CHUNK]
+    assert {e["phase"] for e in large} >= {"forward", "backward", "grads", "optimizer", "params"}
+    for e in r.entries:
+        t = r.tensor(e)  # the reader checks the manifest's checksum against the file's bytes
+        assert e["tensor"]["crc32c"] == crc32c.crc32c(t.contiguous().numpy().tobytes()), e["key"]
+    # the writer checksummed the small tensors only (none of the large copies' 4+ MiB)
+    assert written and max(written) < 4 * chunks.CHUNK, sorted(written)[-3:]
