@@ -29,9 +29,11 @@ from driftcheck.numerics import crc
 
 CHUNK = 1 << 18  # elements a chunk (1 MiB of float32): ~0.1-0.2 ms of reading, ~20 us to hand over
 MAX_THREADS = 8
+MAX_BLOCKS = 64  # column sums: blocks of rows a pass is cut into, at most
 T = TypeVar("T")
 
 _lock = threading.Lock()
+_local = threading.local()  # .helper: this thread is one of the helpers
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
 
 
@@ -55,22 +57,35 @@ def spread(fn: Callable[[int], T], count: int) -> list[T]:
     """``[fn(0), ..., fn(count - 1)]``, the indices cut into ``threads(count)`` consecutive
     runs: the first on the calling thread, the others on helpers."""
     k = threads(count)
-    if k == 1:
+    if k == 1 or getattr(_local, "helper", False):  # (a helper's own call: serial, no deadlock)
         return [fn(i) for i in range(count)]
     bounds = [count * j // k for j in range(k + 1)]
 
     def run(j: int) -> list[T]:
         return [fn(i) for i in range(bounds[j], bounds[j + 1])]
 
+    def helper(j: int) -> list[T]:
+        _local.helper = True
+        return run(j)
+
     pool = _helpers()
-    pending: list[Future[list[T]]] = [pool.submit(run, j) for j in range(1, k)]
+    pending: list[Future[list[T]]] = [pool.submit(helper, j) for j in range(1, k)]
     try:
         out = run(0)
     finally:
         # Every helper is done before this returns or raises: none may still be reading an
-        # array (or writing a copy) the caller is about to free or reuse.
+        # array (or writing a copy) the caller is about to free or reuse. A Ctrl-C while
+        # waiting is raised once they are.
+        interrupted: BaseException | None = None
         for f in pending:
-            f.exception()
+            while True:
+                try:
+                    f.exception()
+                    break
+                except BaseException as e:  # (KeyboardInterrupt: wait on, raise it after)
+                    interrupted = e
+        if interrupted is not None:
+            raise interrupted
     for f in pending:
         out.extend(f.result())
     return out
@@ -128,7 +143,8 @@ def col_sumsq(kernel: Callable[..., Any], x: np.ndarray, k: int, out: np.ndarray
     """``out[j]`` = the sum over rows of ``x[r * k + j] ** 2`` (``x`` flat, row-major (rows, k)),
     by ``kernel`` (``col_sumsq``) over blocks of whole rows; the blocks' sums added in order."""
     rows = x.shape[0] // k
-    per = max(1, CHUNK // max(k, 1))  # rows a block
+    # rows a block: a chunk's worth, and at most MAX_BLOCKS blocks (each holds k partial sums)
+    per = max(1, CHUNK // max(k, 1), -(-rows // MAX_BLOCKS))
     if rows <= per:
         kernel(x, k, out)
         return

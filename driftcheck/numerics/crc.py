@@ -35,9 +35,10 @@ def _multiply(a: int, b: int) -> int:
 
 
 def _powers() -> list[int]:
-    """x^(2^k) modulo the polynomial, k = 0..31."""
+    """x^(2^k) modulo the polynomial, k = 0..63. (zlib wraps k at 32 for CRC-32, whose
+    x^(2^32) is x; CRC32C's is not, so the table runs to any length a buffer can have.)"""
     out = [1 << 30]  # x^1
-    for _ in range(31):
+    for _ in range(63):
         out.append(_multiply(out[-1], out[-1]))
     return out
 
@@ -51,7 +52,7 @@ def _shift(nbytes: int) -> int:
     p, k, n = 1 << 31, 3, nbytes  # x^0; 2^3 = 8 bits a byte
     while n:
         if n & 1:
-            p = _multiply(_X2N[k & 31], p)
+            p = _multiply(_X2N[k], p)
         n >>= 1
         k += 1
     return p

@@ -47,6 +47,8 @@ class Pending:
         self.summary: Any = summary  # (stats row, sample) or a Held, taken at hook time, not a copy
 
 
+_NOTHING = torch.empty(0)  # what a Same stands as in the flush's host transfer
+
 # The CRC32C of a full-mode copy's bytes, taken in the pass that made it (``stats.copy_row``),
 # as an attribute of that tensor object: the writer then does not read the copy again for it.
 CHECKSUM = "_driftcheck_crc32c"
@@ -212,8 +214,10 @@ class Capture:
             data = summary
         elif summary is not None:  # (stats row, sample) taken earlier: only the sample is held
             data = summary[1] if summary[1] is not None else data  # (row, None): ``t`` is a copy
-        elif (phase == "loss" or self.selection.full(module)) and (same := self._copies.same(data)) is not None:
+        elif not self.deferred and (phase == "loss" or self.selection.full(module)) \
+                and (same := self._copies.same(data)) is not None:
             summary, data = same.summary, same
+            self._copies.remember(t, same.first, same.summary, same.checksum)  # (a frozen weight)
         else:
             if self.audit is None:
                 summary, data = self.take(data, t, module, phase, sk, copy)
@@ -323,7 +327,11 @@ class Capture:
                      for k, v in p.dev_meta.items()]
             meta_vals = torch.cat([v.to(tstats.acc_dtype(v.device)).reshape(-1)
                                    for _, _, v in metas]) if metas else None
-            host_tensors = transfer.to_host([p.tensor if f else s for p, f, s in zip(pending, fulls, samples)])
+            # (a Same holds no tensor: kept out of the transfer, put back after it)
+            host_tensors = transfer.to_host([_NOTHING if type(p.tensor) is Same else p.tensor if f else s
+                                             for p, f, s in zip(pending, fulls, samples)])
+            host_tensors = [p.tensor if type(p.tensor) is Same else h  # type: ignore[misc]
+                            for p, h in zip(pending, host_tensors)]
             transfer.pack_samples(host_tensors, fulls)
             for i, row in zip(order, rows.cpu().tolist() if order else []):
                 stat_lists[i] = row

@@ -17,22 +17,25 @@ from driftcheck.numerics.passes import flat_view
 
 class Same:
     """A capture whose data a capture of this step copied already: its entry names the same
-    stored tensor as ``first``'s, and its statistics are ``summary``, that capture's."""
+    stored tensor as ``first``'s, and its statistics are ``summary``, that capture's
+    (``checksum``: the stored bytes' CRC32C)."""
 
-    __slots__ = ("first", "summary")
+    __slots__ = ("checksum", "first", "summary")
     device = torch.device("cpu")  # what the capture's flush asks of a pending host tensor
     is_cpu = True
     nbytes = 0
 
-    def __init__(self, first: dict[str, Any], summary: Any) -> None:
+    def __init__(self, first: dict[str, Any], summary: Any, checksum: int) -> None:
         self.first = first
         self.summary = summary
+        self.checksum = checksum
 
 
 class Copies:
     """The step's copies: (data pointer, shape, strides, dtype) -> the captured tensor (held
-    weakly), its version then, its entry, its summary and the copy's CRC32C. Nothing of a copy
-    is held.
+    weakly), its entry, its summary and the copy's CRC32C. Nothing of a copy
+    is held. A capture that names an earlier copy is remembered as that copy's, so a frozen
+    parameter is copied once, not again at every step's start.
 
     The last ``RECENT`` captured tensors are also held strongly: a backward hook's gradient is a
     Python object that dies when the hook returns (its memory may then serve another tensor),
@@ -40,9 +43,9 @@ class Copies:
     alive, so its memory is still its own when the second arrives.
 
     Across steps (``carry``): a parameter at a step's start is the one the step before captured
-    after its update, if nothing wrote it since. A write through ``.data`` bumps no version
-    counter, so there the bytes themselves decide: their CRC32C (read on as many threads as
-    torch has, ~20 GB/s on two) against the copy's, taken when it was made."""
+    after its update, if nothing wrote it since. Within a step and across, the bytes decide:
+    their CRC32C (read on as many threads as torch has, ~20 GB/s on two) against the copy's,
+    taken when it was made; a version counter is not enough (``same``)."""
 
     RECENT = 4
 
@@ -59,8 +62,9 @@ class Copies:
         self._carried = {}
 
     def carry(self, on: bool) -> None:
-        """While on: the step before's captures after the update may stand for this step's."""
-        self._carried = {k: v for k, v in self._last.items() if v[2]["phase"] == "optimizer"} if on else {}
+        """While on: the step before's copies may stand for this step's captures (a parameter at
+        the step's start is the one after the update), their bytes checked as within a step."""
+        self._carried = self._last if on else {}
         if not on:
             self._last = {}
 
@@ -70,30 +74,27 @@ class Copies:
 
     def same(self, data: Any) -> Same | None:
         """A ``Same`` where these very bytes were copied already: the same memory, shape,
-        strides and dtype as a capture whose tensor is still alive (so the memory is still its)
-        and unchanged since (its version counter, which its views and detached aliases share;
-        across steps, the bytes' checksum too)."""
-        if not (self._by_where or self._carried) or type(data) is not torch.Tensor or not data.is_cpu:
+        strides and dtype as a capture whose tensor is still alive there (so the memory is still
+        its) and whose bytes still have the copy's CRC32C. A version counter alone does not
+        tell: fused optimizers, in-place collectives, compiled graphs' in-place buffers and
+        writes through ``.data`` change bytes without moving it."""
+        if not (self._by_where or self._carried) or type(data) is not torch.Tensor or not data.is_cpu \
+                or data.is_neg() or data.is_conj():  # (a negative view's bytes are not its values)
             return None
         where = self._where(data)
-        hit = self._by_where.get(where)
-        carried = hit is None and where in self._carried
-        if carried:
-            hit = self._carried[where]
+        hit = self._by_where.get(where) or self._carried.get(where)  # (ref, entry, summary, checksum)
         if hit is None:
             return None
         first = hit[0]()
-        if first is None or first._version != hit[1]:
+        if first is None or self._where(first) != where or chunks.checksum(flat_view(data)) != hit[3]:
             return None
-        if carried and chunks.checksum(flat_view(data)) != hit[4]:
-            return None
-        return Same(hit[2], hit[3])
+        return Same(hit[1], hit[2], hit[3])
 
     def remember(self, t: torch.Tensor, entry: dict[str, Any], summary: Any, checksum: int) -> None:
         """``t`` was just copied for ``entry`` (whose statistics are ``summary``; the copy's
         CRC32C ``checksum``)."""
         try:
-            self._by_where[self._where(t)] = (weakref.ref(t), t._version, entry, summary, checksum)
-        except (TypeError, RuntimeError):  # not weak-referenceable, no version counter
+            self._by_where[self._where(t)] = (weakref.ref(t), entry, summary, checksum)
+        except TypeError:  # not weak-referenceable
             return
         self._recent.append(t)

@@ -101,6 +101,7 @@ class Tracer:
         self.tied_params = tied_parameters(self.names, self.state.owners)
         self.aliases = alias_groups(model)  # on the run's device: where a move unties weights
         self.watch = WatchLog(self.calls)
+        self.watch.quiet = self.capture.quiet  # the view audit does not see the watch's own ops
         if self.counts is not None:  # the watch's graphs are the capture's too
             self.watch.around = self.counts.own
         self.norms = NormAudit(config.audits, self.capture, self.findings)

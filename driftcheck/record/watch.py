@@ -7,6 +7,7 @@ Computed on the tensors' device with no host sync; compare reads them from each 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -195,6 +196,11 @@ def rounding_profile(name: str, args: tuple, kwargs: dict) -> torch.Tensor | Non
                                2.0 * za.amax() / (10.0 ** decimals))
 
 
+# every name ``LogitWatch._see`` acts on (any other torch function goes straight through)
+_WATCHED = frozenset(_SOFTMAX | _DECISIONS | _TO_HOST | _ROUNDINGS
+                     | {"cross_entropy", "ctc_loss", "scaled_dot_product_attention"})
+
+
 class LogitWatch(TorchFunctionMode):
     """While active, ``on_logits(absmax)`` gets the weighted |logit| max of every softmax,
     cross-entropy and scaled_dot_product_attention call (a device scalar: no sync),
@@ -216,14 +222,19 @@ class LogitWatch(TorchFunctionMode):
         self.blocks: dict = {}  # attention logits recomputed on the host: one block, reused
         self.on_decision = on_decision
         self.around: Callable[[], Any] | None = None  # a context around the watch's own work
+        # The view audit paused around the watch's own ops (the logits it recomputes in place
+        # into its block are the tracer's writes, not the model's: tests/record/test_watch.py)
+        self.quiet: Callable[[], Any] = contextlib.nullcontext
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.around is None:
-            self._see(func, args, kwargs)
-        else:
-            with self.around():
-                self._see(func, args, kwargs)
+        if getattr(func, "__name__", None) in _WATCHED:
+            with self.quiet():
+                if self.around is None:
+                    self._see(func, args, kwargs)
+                else:
+                    with self.around():
+                        self._see(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _see(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
@@ -290,6 +301,7 @@ class WatchLog:
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
         self.around: Callable[[], Any] | None = None  # the watches' ``around`` (LogitWatch)
+        self.quiet: Callable[[], Any] = contextlib.nullcontext  # the watches' ``quiet``
         self.blocks: dict = {}  # the watches' block of recomputed attention logits
         self.reset()
 
@@ -307,6 +319,7 @@ class WatchLog:
         mode = LogitWatch(self.on_logits, self.on_ctc, self.on_decision, self.on_rounding,
                           self.on_host)
         mode.around = self.around
+        mode.quiet = self.quiet
         mode.blocks = self.blocks  # kept from step to step
         return mode
 

@@ -146,3 +146,41 @@ def test_a_forked_child_makes_its_own_helpers(thread_counts) -> None:
     got = os.read(r, 1)
     os.waitpid(pid, 0)
     assert got == b"1"
+
+
+def test_a_ctrl_c_while_waiting_leaves_no_helper_running(thread_counts) -> None:
+    import signal
+    import time
+
+    torch.set_num_threads(2)
+    running: set[int] = set()
+
+    def fn(i: int) -> int:
+        if i >= 2:  # the helper's share: slow
+            running.add(i)
+            time.sleep(0.5)
+            running.discard(i)
+        return i
+
+    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        chunks.spread(fn, 4)
+    timer.join()
+    assert not running  # raised once the helper's chunks were done
+
+
+def test_a_helper_spreading_again_runs_serially(thread_counts) -> None:
+    """A chunk function that spreads again (on a helper thread) does not wait for helpers that
+    are all busy with the outer chunks."""
+    torch.set_num_threads(8)
+    res: list[int] = []
+
+    def outer(i: int) -> int:
+        threading.Event().wait(0.1)  # every helper holds an outer chunk before inner ones come
+        return sum(chunks.spread(lambda j: j, 8))
+
+    t = threading.Thread(target=lambda: res.append(sum(chunks.spread(outer, 8))), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and res == [8 * 28]

@@ -21,3 +21,15 @@ def test_long_parts_and_empty_ones() -> None:
     assert crc.combine(crc32c.crc32c(a), crc32c.crc32c(b""), 0) == crc32c.crc32c(a)
     assert crc.combine(0, crc32c.crc32c(b), len(b)) == crc32c.crc32c(b)
     assert crc.checksum(a) == crc32c.crc32c(a) and crc.checksum(b, 7) == crc32c.crc32c(b, 7)
+
+
+def test_a_second_part_of_512_mib_and_more() -> None:
+    """The shift over 2^29 bytes and beyond (the power table does not wrap at 32 for CRC32C,
+    as zlib's does for CRC-32, where x^(2^32) is x)."""
+    import numpy as np
+
+    first = bytes(range(256))
+    for n in ((1 << 29) - 64, 1 << 29, (1 << 29) + 4096):
+        zeros = np.zeros(n, dtype=np.uint8)  # untouched zero pages: no memory to speak of
+        whole = crc32c.crc32c(zeros, crc32c.crc32c(first))  # first, then the zeros
+        assert crc.combine(crc32c.crc32c(first), crc32c.crc32c(zeros), n) == whole, n

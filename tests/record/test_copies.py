@@ -52,7 +52,7 @@ def _shared(r):
 
 
 def test_the_same_data_is_stored_once_and_read_back_by_every_entry(tmp_path):
-    r, model = _record(tmp_path / "t")
+    r, _ = _record(tmp_path / "t")
     shared = _shared(r)
     # the ReLU's input is the first Linear's output (before the ReLU writes it), the second
     # Linear's input the ReLU's output; a gradient reaches the hooks of two modules; the
@@ -113,3 +113,86 @@ def test_a_module_summarised_in_auto_mode_keeps_its_sample(tmp_path):
     assert by_key["0/forward/a/0/output"].get("tensor") is not None
     relu_in = by_key["0/forward/act/0/input.0"]
     assert relu_in.get("tensor") is None and relu_in.get("sample") is not None
+
+
+def _one_step(out, model, x, update, optimizer=None):
+    """A one-step full-mode record where ``update(model)`` changes the parameters; the live
+    weight of the first Linear after it."""
+    with TraceWriter(out, force=True) as w:
+        tracer = Tracer(model, w, optimizer=optimizer).attach()
+        model(x).square().mean().backward()
+        update(model)
+        live = model[0].weight.detach().clone()
+        tracer.step(None)
+        tracer.detach()
+        w.close({"steps": 1})
+    r = TraceReader(out)
+    return r, {e["key"]: e for e in r.entries}, live
+
+
+def test_writes_that_move_no_version_counter_are_recorded(tmp_path):
+    """A fused optimizer and a hand-written update through ``.data`` change a weight within the
+    step without moving its version counter: the entry after the update is the updated weight,
+    not the copy taken at the step's start (the bytes' checksum decides, not the counter)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def fused(m):
+        v = m[0].weight._version
+        opt.step()
+        opt.zero_grad()
+        assert m[0].weight._version == v  # (what makes the case: the counter did not move)
+
+    r, by, live = _one_step(tmp_path / "fused", model, torch.randn(8, 256), fused, opt)
+    assert torch.equal(r.tensor(by["0/optimizer/0/0/param.weight"]), live)
+    assert by["0/optimizer/0/0/param.weight"]["tensor"]["name"] == "0/optimizer/0/0/param.weight"
+
+    def by_data(m):
+        for p in m.parameters():
+            p.data.add_(p.grad, alpha=-10.0)
+            p.grad = None
+
+    r, by, live = _one_step(tmp_path / "data", nn.Sequential(nn.Linear(256, 256)), torch.randn(8, 256), by_data)
+    assert torch.equal(r.tensor(by["0/optimizer/0/0/param.weight"]), live)
+    assert not torch.equal(live, r.tensor(by["0/params/0/0/param.weight"]))
+
+
+class _Neg(nn.Module):
+    def forward(self, x):
+        return torch._neg_view(x)
+
+
+def test_a_negative_view_is_not_its_base(tmp_path):
+    """A negative-bit view has its base's memory, shape, strides, dtype and version counter,
+    and the opposite values: its entry is its own copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), _Neg())
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w).attach()
+        y = model(torch.randn(300, 256))
+        assert y.is_neg()
+        live = y.detach().clone()
+        tracer.step(None)
+        tracer.detach()
+        w.close({"steps": 1})
+    r = TraceReader(tmp_path / "t")
+    e = next(e for e in r.entries if e["key"] == "0/forward/1/0/output")
+    assert torch.equal(r.tensor(e), live)
+
+
+def test_a_shared_entry_never_goes_through_the_host_transfer(tmp_path, monkeypatch):
+    """The flush's host transfer gets tensors only (a device run mixes host copies with device
+    tensors, and the transfer reads each one's dtype and device)."""
+    from driftcheck.record import copies, transfer
+
+    seen = []
+    real = transfer.to_host
+
+    def to_host(tensors):
+        seen.extend(type(t) for t in tensors)
+        return real(tensors)
+
+    monkeypatch.setattr(transfer, "to_host", to_host)
+    r, _ = _record(tmp_path / "t")
+    assert _shared(r) and copies.Same not in seen and seen

@@ -142,3 +142,32 @@ def test_the_recomputed_logits_block_is_one_block_kept_across_calls(monkeypatch)
         got = watch._sdpa_logits_absmax(q, k, None, True, None, blocks)
         assert torch.equal(got, watch._sdpa_logits_absmax(q, k, None, True, None, None)), layer
     assert len(made) == 1, made
+
+
+class _Attend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(64, 64)
+
+    def forward(self, x):  # (batch, heads, tokens, dim): the watch recomputes the logits
+        q = self.q(x)
+        return torch.nn.functional.scaled_dot_product_attention(q, x, x)
+
+
+def test_the_view_audit_does_not_see_the_watch_recomputing_logits(tmp_path):
+    """The logit watch recomputes attention logits into its own block (``matmul(out=...)``,
+    in-place scaling): the tracer's writes, not the model's. Seen by the view audit, they were
+    in-place writes whose values differ between thread counts (timm's XCiT failed a clean
+    fp32 1-vs-2-thread compare at ``inplace.value_mismatch`` on ``aten.bmm.out``)."""
+    from driftcheck.record.runner import record
+    from driftcheck.scenario import Scenario
+    from driftcheck.store import TraceReader
+
+    torch.manual_seed(0)
+    model = _Attend()
+    x = torch.randn(2, 4, 300, 64)  # logits of 2 x 4 x 300 x 300: above the watch's host size
+    sc = Scenario(model=model, inputs=x, loss=lambda out, _: out.square().mean(),
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), steps=1, name="attend")
+    record(sc, tmp_path / "t", mode="full", view_audit=True, force=True)
+    events = TraceReader(tmp_path / "t").manifest.get("view_events") or []
+    assert not [e for e in events if ".out" in str(e.get("op", ""))], events
