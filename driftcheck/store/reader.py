@@ -204,10 +204,13 @@ class TraceReader:
     def _verify(self, shard: str, m: MappedShard) -> None:
         if self._checksummed is None:  # shard -> (entry, which) with a checksum, made once
             self._checksummed = {}
+            named: set[tuple[str, str]] = set()  # a tensor several entries share: checked once
             for e in self.entries:
                 for which in ("tensor", "sample"):
                     ref = e.get(which)
-                    if ref is not None and ref.get("crc32c") is not None:
+                    if ref is not None and ref.get("crc32c") is not None \
+                            and (ref["shard"], ref["name"]) not in named:
+                        named.add((ref["shard"], ref["name"]))
                         self._checksummed.setdefault(ref["shard"], []).append((e, which))
         for e, which in self._checksummed.get(shard, ()):
             ref = e[which]

@@ -196,3 +196,21 @@ def test_a_shared_entry_never_goes_through_the_host_transfer(tmp_path, monkeypat
     monkeypatch.setattr(transfer, "to_host", to_host)
     r, _ = _record(tmp_path / "t")
     assert _shared(r) and copies.Same not in seen and seen
+
+
+def test_a_shared_tensor_is_checksummed_once_on_read(tmp_path, monkeypatch):
+    """The reader verifies each stored tensor's checksum once, however many entries name it."""
+    from driftcheck.store import shard as store_shard
+
+    r, _ = _record(tmp_path / "t")
+    shared = _shared(r)
+    assert shared
+    counted: list[int] = []
+    real = store_shard.MappedShard.checksum
+    monkeypatch.setattr(store_shard.MappedShard, "checksum",
+                        lambda self, begin, end: counted.append(begin) or real(self, begin, end))
+    r = TraceReader(tmp_path / "t")
+    for e in r.entries:
+        r.tensor(e)
+    stored = {(e["tensor"]["shard"], e["tensor"]["name"]) for e in r.entries if e.get("tensor")}
+    assert len(counted) == len(stored) < sum(1 for e in r.entries if e.get("tensor"))
