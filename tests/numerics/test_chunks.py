@@ -72,8 +72,13 @@ def test_statistics_do_not_depend_on_the_thread_count(thread_counts, dtype) -> N
         copied = stats.large_row(t, into=into)
         assert torch.equal(into, t)  # the copy, every chunk of it, whichever thread made it
         copies.append(copied)
-    for r in rows[1:] + copies:
-        np.testing.assert_array_equal(r[:9], rows[0][:9])  # bit for bit
+    for r in rows[1:]:
+        np.testing.assert_array_equal(r[:9], rows[0][:9])  # bit for bit, one kernel
+    for r in copies[1:]:
+        np.testing.assert_array_equal(r[:9], copies[0][:9])
+    # the copying kernel and the reading one may vectorize their float64 sums differently (and
+    # a process may reach either through another compiled specialization): the last bits only
+    np.testing.assert_allclose(copies[0][:9], rows[0][:9], rtol=1e-13)
     x = t.double()
     want = [x.min(), x.max(), x.mean(), x.std(correction=0), x.abs().max(), x.norm()]
     np.testing.assert_allclose(rows[0][:6], [float(v) for v in want], rtol=1e-12)
