@@ -227,6 +227,19 @@ class _Wide(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _train(model, opt, x, writer, steps, after_step=lambda: None):
+    """``steps`` traced training steps of ``model`` on ``x``, into ``writer``."""
+    tracer = Tracer(model, writer, optimizer=opt).attach()
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        tracer.step(loss)
+        after_step()
+    tracer.detach()
+
+
 def test_full_mode_recycles_its_copies_and_takes_kept_statistics_in_the_hook(tmp_path):
     torch.manual_seed(0)
     model = _Wide()
@@ -235,16 +248,7 @@ def test_full_mode_recycles_its_copies_and_takes_kept_statistics_in_the_hook(tmp
     mapped = []
     # shards written as steps run, through a queue smaller than a step's copies
     with TraceWriter(tmp_path / "t", shard_bytes=1 << 20, queue_bytes=4 * MIN_BYTES) as w:
-        tracer = Tracer(model, w, optimizer=opt).attach()
-        for _ in range(4):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            tracer.step(loss)
-            w.drain()
-            mapped.append(w.buffers.mapped)
-        tracer.detach()
+        _train(model, opt, x, w, 4, lambda: (w.drain(), mapped.append(w.buffers.mapped)))
         reused = w.buffers.reused
         w.close({"steps": 4})
     assert reused > 0  # later steps copied into memory the writer gave back
@@ -341,14 +345,7 @@ def test_full_mode_checksums_its_copies_as_it_makes_them(tmp_path, monkeypatch):
         monkeypatch.setattr(mod, "crc32c", type("C", (), {"crc32c": staticmethod(
             lambda b, v=0, real=real: read.append(memoryview(b).nbytes) or real(b, v))}))
     with TraceWriter(tmp_path / "t") as w:
-        tracer = Tracer(model, w, optimizer=opt).attach()
-        for _ in range(2):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            tracer.step(loss)
-        tracer.detach()
+        _train(model, opt, x, w, 2)
         w.close({"steps": 2})
     written = list(read)  # (the reader checksums what it reads, below)
     r = TraceReader(tmp_path / "t")
