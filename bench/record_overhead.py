@@ -2,6 +2,7 @@
 
     python bench/record_overhead.py [--quick] [--sizes tiny,16m] [--compile inductor]
     python bench/record_overhead.py --size 350m --threads 2 [--steps 3] [--repeats 2] [--modes stats,full]
+        [--dtype bfloat16]
 
 Runs the same training steps (same weights, inputs, optimizer) untraced and traced in each mode,
 writing the trace to a temporary directory on the same disk, and prints the ratio. The traced
@@ -230,12 +231,12 @@ def compiled_main(args, steps: int, repeats: int) -> None:
                    "overhead per captured tensor (tensors)", "target", "compile (first step)"], rows)
 
 
-def large_child(size: str, mode: str, steps: int, out: Path) -> dict:
+def large_child(size: str, mode: str, steps: int, out: Path, dtype: str = "float32") -> dict:
     """One run of ``size`` in this process: untraced (``mode`` "untraced") or traced in ``mode``;
     each step's seconds (the last one's include closing the trace), the trace's bytes, the peak
-    RSS of the process."""
+    RSS of the process. ``dtype``: the model's and the inputs' (a bfloat16 target on the host)."""
     sc = c.hf_llama_scenario(size, steps)
-    model = sc.model
+    model = sc.model.to(getattr(torch, dtype))
     opt = sc.optimizer(model.parameters())
     times: list[float] = []
     last = [0.0]
@@ -245,7 +246,7 @@ def large_child(size: str, mode: str, steps: int, out: Path) -> dict:
         times.append(now - last[0])
         last[0] = now
 
-    kw = dict(device=torch.device("cpu"), dtype=torch.float32, dropout=DropoutControl(0),
+    kw = dict(device=torch.device("cpu"), dtype=getattr(torch, dtype), dropout=DropoutControl(0),
               on_step=on_step, model_id=sc.name)
     size_b = 0
     if mode == "untraced":
@@ -275,7 +276,8 @@ def large_main(args) -> None:
                 res = tmp / "result.json"
                 subprocess.run([sys.executable, __file__, "--child", mode, "--size", args.size,
                                 "--steps", str(args.steps), "--threads", str(args.threads),
-                                "--out", str(tmp / "trace"), "--result", str(res)], check=True)
+                                "--dtype", args.dtype, "--out", str(tmp / "trace"), "--result", str(res)],
+                               check=True)
                 got = json.loads(res.read_text())
                 print(mode, [f"{t:.2f}" for t in got["times"]], c.gb(got["rss"]), flush=True)
                 prev = best.get(mode)
@@ -302,7 +304,8 @@ def large_main(args) -> None:
             paid = [(t - b) / write for t, b in zip(got["times"], base["times"])]
             goal = (f"extra / write time {', '.join(f'{p:.2f}' for p in paid)} (write {write:.1f} s "
                     f"at {bw / 1e9:.2f} GB/s) <= 1: {'met' if max(paid) <= 1 else 'MISSED'}")
-        rows.append([f"hf-llama-{args.size} ({base['params'] / 1e6:.0f}M)", mode,
+        rows.append([f"hf-llama-{args.size} ({base['params'] / 1e6:.0f}M"
+                     f"{', ' + args.dtype if args.dtype != 'float32' else ''})", mode,
                      ", ".join(f"{t:.2f} s" for t in base["times"]),
                      ", ".join(f"{t:.2f} s" for t in got["times"]),
                      ", ".join(f"{r:.2f}x" for r in ratios), goal,
@@ -321,10 +324,12 @@ def main() -> None:
                         steps=dict(type=int, default=3, help="--size: steps a run"),
                         repeats=dict(type=int, default=2, help="--size: runs a mode"),
                         modes=dict(default="stats,full", help="--size: the traced modes (stats, full)"),
+                        dtype=dict(default="float32", choices=["float32", "bfloat16"],
+                                   help="--size: the model's dtype (bfloat16: a bf16 target on the host)"),
                         child=dict(default=None, help="(internal) one --size run"),
                         out=dict(default=None, help="(internal)"), result=dict(default=None, help="(internal)"))
     if args.child:
-        got = large_child(args.size, args.child, args.steps, Path(args.out))
+        got = large_child(args.size, args.child, args.steps, Path(args.out), args.dtype)
         return Path(args.result).write_text(json.dumps(got))
     if args.size:
         return large_main(args)

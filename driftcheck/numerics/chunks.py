@@ -91,24 +91,42 @@ def spread(fn: Callable[[int], T], count: int) -> list[T]:
     return out
 
 
+def _wide(n: int) -> np.ndarray:
+    """This thread's float32 block for a widened chunk (at most ``CHUNK`` elements), its first
+    ``n``; made once a thread and kept (a block freed each chunk would move glibc's mmap
+    threshold, store/buffers.py ``mapped_empty``)."""
+    block = getattr(_local, "wide", None)
+    if block is None:
+        block = _local.wide = np.empty(CHUNK, dtype=np.float32)
+    return block[:n]
+
+
 def _cuts(n: int, chunk: int) -> list[int]:
     return list(range(0, n, chunk)) + [n]
 
 
 def stats(kernel: Callable[..., tuple[float, float, float, float]], x: np.ndarray,
-          out: np.ndarray | None = None, checksum: bool = False
+          out: np.ndarray | None = None, checksum: bool = False,
+          widen: Callable[[np.ndarray, np.ndarray], Any] | None = None
           ) -> tuple[float, float, float, float, int | None]:
     """(sum, sum of squares, min, max, CRC32C or None) of a flat array by ``kernel``
     (``dense_stats`` on ``x``, or ``copy_stats`` copying it into ``out``), chunk by chunk; the
     sums added in chunk order. ``checksum``: the CRC32C of ``out``'s bytes too, each chunk's
-    taken right after its copy (in cache) and combined (numerics/crc.py). A NaN or Inf anywhere
-    makes a sum non-finite, as the kernel's own."""
+    taken right after its copy (in cache) and combined (numerics/crc.py). ``widen``: ``x``
+    holds narrow floats, each chunk widened by ``widen(chunk, into)`` into a float32 block of
+    its thread's (kept: no allocation a chunk) for ``kernel``, the same chunks and sums as on
+    the whole array widened first. A NaN or Inf anywhere makes a sum non-finite, as the
+    kernel's own."""
     n = x.shape[0]
     cuts = _cuts(n, CHUNK) if n > CHUNK else [0, n]
     width = x.itemsize
 
     def part(i: int) -> tuple[tuple[float, float, float, float], int]:
         a, b = cuts[i], cuts[i + 1]
+        if widen is not None:
+            wide = _wide(b - a)
+            widen(x[a:b], wide)
+            return kernel(wide), 0
         if out is None:
             return kernel(x[a:b]), 0
         got = kernel(x[a:b], out[a:b])

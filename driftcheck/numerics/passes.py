@@ -38,7 +38,22 @@ def flat_view(t: torch.Tensor) -> np.ndarray:
         return t.numpy().reshape(-1)  # what numpy() refuses, it refuses here too
     if t.numel() == 0:
         return np.empty(0, dtype=_NUMPY_OF[t.dtype])
-    return np.asarray(_Memory(t))  # the array's base holds the tensor: its memory stays
+    return np.asarray(_Memory(t, _NUMPY_OF[t.dtype]))  # the array's base holds the tensor: its memory stays
+
+
+# Narrow floats as the kernels take them: their uint16 bit patterns (numba has no float16
+# arithmetic on the host, numpy no bfloat16)
+NARROW = {torch.float16: np.uint16, torch.bfloat16: np.uint16}
+
+
+def narrow_view(t: torch.Tensor) -> np.ndarray | None:
+    """A contiguous host float16 or bfloat16 tensor's elements as a flat numpy array over the
+    same memory, as uint16 bit patterns (``NARROW``), as ``flat_view``; None for any
+    other tensor (the caller widens it with ``host_array``)."""
+    if type(t) is not torch.Tensor or t.dtype not in NARROW or not t.is_cpu or t.is_neg() \
+            or not t.is_contiguous() or t.requires_grad or t.numel() == 0:
+        return None
+    return np.asarray(_Memory(t, NARROW[t.dtype]))
 
 
 class _Memory:
@@ -46,9 +61,9 @@ class _Memory:
 
     __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, dtype: type) -> None:
         self.tensor = t
-        self.__array_interface__ = {"shape": (t.numel(),), "typestr": np.dtype(_NUMPY_OF[t.dtype]).str,
+        self.__array_interface__ = {"shape": (t.numel(),), "typestr": np.dtype(dtype).str,
                                     "data": (t.data_ptr(), False), "version": 3}
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import math
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -215,6 +217,19 @@ def compiled_kernels():
     return summary_kernels
 
 
+def _widen_bf16(x: np.ndarray, out: np.ndarray) -> None:
+    compiled_kernels().widen_bf16(x, out)
+
+
+def _widen_f16(x: np.ndarray, out: np.ndarray) -> None:
+    compiled_kernels().widen_f16(x, out)
+
+
+# narrow floats (their uint16 bits, passes.narrow_view) into float32, exactly
+_WIDEN: dict[torch.dtype, Callable[[np.ndarray, np.ndarray], Any]] = {
+    torch.bfloat16: _widen_bf16, torch.float16: _widen_f16}
+
+
 def large_sample(t: torch.Tensor, key: str, seed: int) -> torch.Tensor:
     """``sample_of`` a large tensor: on the host for float32/float64, gathered by one compiled
     call from the array ``_large_stats`` reads (the same positions, bit for bit)."""
@@ -254,6 +269,10 @@ def _row(t: torch.Tensor, into: torch.Tensor | None, checksum: bool) -> tuple[np
     if into is not None:
         x = kernels.flat_view(into)
         s, sq, mn, mx, value = chunks.stats(kernels.copy_stats, kernels.flat_view(t), x, checksum)
+    elif (x := passes.narrow_view(t)) is not None:
+        # bfloat16/float16: widened a chunk at a time into a block kept per thread, not as a
+        # whole float32 copy first (4 bytes an element of fresh memory to fault in: 8x slower)
+        s, sq, mn, mx, value = chunks.stats(kernels.dense_stats, x, widen=_WIDEN[t.dtype])
     else:
         x = kernels.host_array(t)
         s, sq, mn, mx, value = chunks.stats(kernels.dense_stats, x)
@@ -266,7 +285,8 @@ def _row(t: torch.Tensor, into: torch.Tensor | None, checksum: bool) -> tuple[np
     if var > 1e-3 * mean * mean:
         std = math.sqrt(var)  # no cancellation to fear
     else:  # |mean| >> std: E[x^2] - mean^2 cancels; Welford's (in double) does not
-        std = float(torch.std(torch.from_numpy(x), correction=0))
+        std = float(torch.std(torch.from_numpy(x) if x.dtype.kind == "f" and x.itemsize >= 4
+                              else t.detach().reshape(-1).float(), correction=0))
     nan = math.nan
     return np.array([mn, mx, mean, std, max(abs(mn), abs(mx)), l2, 0.0, 0.0, float(n), nan, nan]), value
 
@@ -356,13 +376,15 @@ def warm(device: torch.device, params: list[torch.Tensor]) -> None:
         large_row(t, into=torch.empty_like(t))
         large_sample(t, "warm", 0)
         x = kernels.flat_view(t)
-        rows = np.empty((1, len(COLUMNS)), dtype=np.float64)
+        rows = np.empty((2, len(COLUMNS)), dtype=np.float64)  # (2 rows: a strided slice, as a block's)
         kernels.summarize_into(x, base_points(0), 0.5, rows[:, :len(FIELDS)],
-                               np.empty((1, SAMPLE_SIZE), dtype=x.dtype), 0)  # record/host_summaries.py
+                               np.empty((2, SAMPLE_SIZE), dtype=x.dtype), 0)  # record/host_summaries.py
         kernels.segment_stats(kernels.host_array(t), np.asarray([t.numel()], dtype=np.int64),
                               np.empty((1, len(FIELDS)), dtype=np.float64))
         kernels.col_sumsq(x, 16, np.empty(16, dtype=np.float64))
         kernels.weighted_absmax(x, 64, 40.0)
+    for narrow in passes.NARROW:  # bfloat16/float16 captures (a narrow model, autocast)
+        large_row(torch.linspace(-1.0, 1.0, 2 * SAMPLE_SIZE, dtype=narrow))
     wide = kernels.host_array(torch.arange(2 * SAMPLE_SIZE))  # integer and bool captures: float64
     kernels.dense_stats(wide)
     kernels.segment_stats(wide, np.asarray([wide.size], dtype=np.int64), np.empty((1, len(FIELDS)), dtype=np.float64))

@@ -1,6 +1,7 @@
 """The compiled inner loops of stats mode on the host (``stats.summarize``, the capture hooks):
 ``segment_stats`` (statistics of many small captures laid end to end), ``dense_stats`` (one
-large capture; ``copy_stats`` copies it in the same pass), ``sample_positions`` and
+large capture; ``copy_stats`` copies it in the same pass; ``widen_bf16`` and ``widen_f16`` give
+it narrow floats a chunk at a time), ``sample_positions`` and
 ``gather_sample`` (the seeded sample), ``summarize_into``
 (statistics and sample of one capture, taken in its hook) and ``col_sumsq`` (a Linear's operand
 magnitude, record/meta.py). Pure numerics, no I/O; compiled by numba on first use, as
@@ -185,6 +186,36 @@ def _stats_pass(x, out, copy):  # pragma: no cover (compiled)
         lo, hi = _key_range(keys[start:start + BLOCK], lo, hi)  # the block again, from L1
     mn, mx = _key_values(keys, lo, hi)
     return s, sq, mn, mx
+
+
+@jit()
+def widen_bf16(bits, out):  # pragma: no cover (compiled)
+    """bfloat16 values, given as their uint16 bit patterns, into ``out`` (float32, as long):
+    a bfloat16 is the upper half of the float32 of the same value, so this is exact."""
+    o = out.view(np.uint32)
+    for j in range(bits.shape[0]):
+        o[j] = np.uint32(bits[j]) << np.uint32(16)
+
+
+@jit()
+def widen_f16(bits, out):  # pragma: no cover (compiled)
+    """float16 values, given as their uint16 bit patterns, into ``out`` (float32, as long),
+    exactly (numba has no float16 arithmetic on the host; numpy's cast is ~6x slower): the
+    exponent rebiased (15 -> 127), the mantissa shifted up; zeros, infinities and NaN payloads
+    keep their bits (a NaN quieted); a subnormal is its mantissa times 2^-24, exact in float32."""
+    o = out.view(np.uint32)
+    for j in range(bits.shape[0]):
+        h = np.uint32(bits[j])
+        sign = (h & np.uint32(0x8000)) << np.uint32(16)
+        e = (h >> np.uint32(10)) & np.uint32(0x1F)
+        m = h & np.uint32(0x3FF)
+        if e == np.uint32(0x1F):  # (a NaN quieted, as the hardware's conversion does)
+            o[j] = sign | np.uint32(0x7F800000) | (m << np.uint32(13)) | (np.uint32(0x400000) if m else np.uint32(0))
+        elif e != np.uint32(0):
+            o[j] = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+        else:
+            v = np.float32(m) * np.float32(5.9604645e-08)  # 2^-24
+            out[j] = -v if sign else v
 
 
 @jit(fastmath=FLAGS)

@@ -189,3 +189,45 @@ def test_a_helper_spreading_again_runs_serially(thread_counts) -> None:
     t.start()
     t.join(10)
     assert not t.is_alive() and res == [8 * 28]
+
+
+def test_narrow_floats_widen_exactly_every_bit_pattern() -> None:
+    """The compiled widening of bfloat16 and float16 (taken as uint16 bits) gives every one of
+    the 65536 patterns the float32 torch gives it, bit for bit: zeros, subnormals, infinities
+    and NaN payloads included."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(1 << 16, dtype=np.float32)
+    as_int16 = torch.from_numpy(bits.view(np.int16))
+    for dtype, widen in ((torch.bfloat16, kernels.widen_bf16), (torch.float16, kernels.widen_f16)):
+        widen(bits, out)
+        want = as_int16.view(dtype).float().numpy()
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_floats_are_summarised_a_chunk_at_a_time(dtype, monkeypatch, thread_counts) -> None:
+    """A large bfloat16/float16 host capture is widened a chunk at a time into a block each
+    thread keeps, not copied whole to float32 first: the same row as that copy's, bit for bit,
+    on any thread count; not all finite, the exact path as before (None)."""
+    from driftcheck.numerics import passes
+
+    torch.manual_seed(0)
+    t = (torch.randn(3 * chunks.CHUNK + 1001) * 7 + 0.25).to(dtype)
+    whole = stats.large_row(t.float())  # what widening the whole capture first gives
+    widened = []
+    real = passes.host_array
+    monkeypatch.setattr(kernels, "host_array",  # (a float32 capture's is a view)
+                        lambda x: (x.dtype != torch.float32 and widened.append(x.numel())) or real(x))
+    for n in thread_counts:
+        torch.set_num_threads(n)
+        row = stats.large_row(t)
+        assert np.array_equal(row, whole, equal_nan=True), (n, row, whole)
+    assert widened == []  # no whole float32 copy
+    exact = stats.stats_vector(t).numpy()
+    assert np.allclose(row[:9], exact[:9], rtol=1e-12, atol=0)
+    t[12345] = float("inf")
+    assert stats.large_row(t) is None
+    strided = torch.randn(600, 800).to(dtype).t()  # not contiguous: widened whole, as before
+    want = stats.large_row(strided.float().contiguous())
+    assert np.array_equal(stats.large_row(strided), want, equal_nan=True)
+    assert widened == [strided.numel()]

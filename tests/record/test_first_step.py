@@ -42,7 +42,8 @@ def loaded():
 
 
 torch.manual_seed(0)
-model, x = Net(), torch.randn(8, 128, 256)
+dtype = getattr(torch, sys.argv[4])
+model, x = Net().to(dtype), torch.randn(8, 128, 256, dtype=dtype)
 opt = torch.optim.AdamW(model.parameters())
 with driftcheck.trace(model, out=sys.argv[1], mode=sys.argv[2], optimizer=opt) as t:
     attached = loaded()
@@ -56,9 +57,9 @@ print(json.dumps({"attached": attached, "stepped": stepped}))
 '''
 
 
-def _run(tmp_path: Path, mode: str, warm: str) -> dict:
+def _run(tmp_path: Path, mode: str, warm: str, dtype: str = "float32") -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / f"{mode}-{warm}"), mode, warm],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / f"{mode}-{warm}-{dtype}"), mode, warm, dtype],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,6 +74,16 @@ def test_the_first_step_loads_no_kernel(tmp_path, mode):
     used = {"dense_stats", "col_sumsq", "weighted_absmax"} | ({"summarize_into", "gather_sample"}
                                                               if mode == "stats" else {"copy_stats"})
     assert all(got["attached"][k] >= 1 for k in used), got["attached"]
+
+
+@pytest.mark.parametrize("mode", ["stats", "full"])
+def test_a_bfloat16_models_first_step_loads_no_kernel(tmp_path, mode):
+    """A bfloat16 model's large captures are widened a chunk at a time (``widen_bf16``) for the
+    float32 kernels: those are loaded when the tracer attaches too."""
+    got = _run(tmp_path, mode, "warm", "bfloat16")
+    grew = {k: (got["attached"][k], n) for k, n in got["stepped"].items() if n > got["attached"][k]}
+    assert not grew, f"kernels first loaded inside step 0 (name: (after attach, after the step)): {grew}"
+    assert got["attached"]["widen_bf16"] >= 1 and got["attached"]["dense_stats"] >= 1, got["attached"]
 
 
 def test_without_the_warm_up_step_0_loads_them(tmp_path):
