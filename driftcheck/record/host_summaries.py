@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 import torch
 
+from driftcheck.numerics.passes import NARROW, narrow_view
 from driftcheck.numerics.stats import (
     BIG,
     COLUMNS,
@@ -29,8 +30,6 @@ from driftcheck.numerics.stats import (
 )
 from driftcheck.store.buffers import mapped_empty
 
-_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
-
 
 class _Block:
     """BLOCK captures' rows and samples, in mapped memory; the numpy views the kernels write
@@ -38,12 +37,14 @@ class _Block:
 
     __slots__ = ("columns", "rows", "samples", "samples_np", "used")
 
-    def __init__(self, dtype: np.dtype, size: int) -> None:
+    def __init__(self, dtype: torch.dtype, size: int) -> None:
         self.rows = mapped_empty((size, len(COLUMNS)), torch.float64).numpy()
         self.rows.fill(np.nan)  # fp8 columns: NaN, not fp8
         self.columns = self.rows[:, :len(FIELDS)]  # what the kernels fill
-        self.samples = mapped_empty((size, SAMPLE_SIZE), _TORCH[dtype])
-        self.samples_np = self.samples.numpy()
+        self.samples = mapped_empty((size, SAMPLE_SIZE), dtype)
+        # (bfloat16/float16 samples: their bits, gathered as the kernels read the capture)
+        self.samples_np = self.samples.view(torch.int16).numpy().view(np.uint16) if dtype in NARROW \
+            else self.samples.numpy()
         self.used = 0
 
 
@@ -77,16 +78,17 @@ class Held:
 class HostSummaries:
     """Stats rows and samples of float32/float64 host tensors, taken in the capture hook by one
     compiled call each into preallocated blocks: small tensors whole (``take``:
-    ``kernels.summarize_into``), large ones by their one-pass row and gathered sample
-    (``take_large``, ``take_sample``). Nothing of the tensor is copied or kept but its sample;
-    on the host this is cheaper than copying a tensor for ``summarize``, and it gives the same
-    samples bit for bit and the same statistics up to the association of float64 sums (tested)."""
+    ``kernels.summarize_into``), large ones (bfloat16/float16 too: widened a chunk at a time)
+    by their one-pass row and gathered sample (``take_large``, ``take_sample``). Nothing of the
+    tensor is copied or kept but its sample; on the host this is cheaper than copying a tensor
+    for ``summarize``, and it gives the same samples bit for bit and the same statistics up to
+    the association of float64 sums (tested)."""
 
     BLOCK = 256  # captures per block of rows and samples
 
     def __init__(self, seed: int) -> None:
         self.base = base_points(seed)
-        self._blocks: dict[np.dtype, _Block] = {}  # the block being filled, per dtype
+        self._blocks: dict[torch.dtype, _Block] = {}  # the block being filled, per dtype
         self._scratch: dict[torch.dtype, torch.Tensor] = {}  # dtype -> a mapped block, reused
 
     @staticmethod
@@ -96,10 +98,18 @@ class HostSummaries:
 
     @staticmethod
     def eligible_large(t: torch.Tensor) -> bool:
-        """Whether ``take_large`` and ``take_sample`` may (a large float host tensor)."""
-        return t.is_cpu and t.dtype in HOST_DTYPES and t.numel() >= BIG
+        """Whether ``take_large`` and ``take_sample`` may (a large float host tensor, bfloat16
+        and float16 included)."""
+        return t.is_cpu and (t.dtype in HOST_DTYPES or t.dtype in NARROW) and t.numel() >= BIG
 
-    def _slot(self, dtype: np.dtype) -> tuple[_Block, int]:
+    @staticmethod
+    def _array(t: torch.Tensor) -> np.ndarray:
+        """A contiguous capture as the kernels read it (narrow floats: their bits)."""
+        x = narrow_view(t) if t.dtype in NARROW else compiled_kernels().flat_view(t)
+        assert x is not None
+        return x
+
+    def _slot(self, dtype: torch.dtype) -> tuple[_Block, int]:
         blk = self._blocks.get(dtype)
         if blk is None or blk.used == self.BLOCK:
             blk = self._blocks[dtype] = _Block(dtype, self.BLOCK)
@@ -113,7 +123,7 @@ class HostSummaries:
             x = compiled_kernels().flat_view(t.contiguous())  # a copy only when t is not contiguous
         except (RuntimeError, TypeError):
             return None
-        blk, k = self._slot(x.dtype)
+        blk, k = self._slot(t.dtype)
         compiled_kernels().summarize_into(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk.columns,
                                           blk.samples_np, k)
         return Held(blk, k, min(x.size, SAMPLE_SIZE))
@@ -142,16 +152,18 @@ class HostSummaries:
 
     def sample(self, t: torch.Tensor, key: str) -> torch.Tensor:
         """``stats.large_sample`` of an ``eligible_large`` tensor, not held (a check's copy)."""
-        out = np.empty(SAMPLE_SIZE, dtype=np.float32 if t.dtype == torch.float32 else np.float64)
-        x = compiled_kernels().flat_view(self._contiguous(t.detach()))
-        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, out)
-        return torch.from_numpy(out)
+        out = torch.empty(SAMPLE_SIZE, dtype=t.dtype)
+        x = self._array(self._contiguous(t.detach()))
+        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32,
+                                         out.view(torch.int16).numpy().view(np.uint16) if t.dtype in NARROW
+                                         else out.numpy())
+        return out
 
     def take_sample(self, t: torch.Tensor, key: str, row: Held | np.ndarray) -> Held:
         """The sample of an ``eligible_large`` tensor whose stats row is known already (the same
         tensor summarised earlier), held with that row."""
-        x = compiled_kernels().flat_view(self._contiguous(t.detach()))
-        blk, k = self._slot(x.dtype)
+        x = self._array(self._contiguous(t.detach()))
+        blk, k = self._slot(t.dtype)
         blk.columns[k] = row.row()[:len(FIELDS)] if isinstance(row, Held) else row[:len(FIELDS)]
         compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, blk.samples_np[k])
         return Held(blk, k, SAMPLE_SIZE)

@@ -312,11 +312,12 @@ def test_host_summaries_in_the_hook_equal_the_batched_summary():
     assert not HostSummaries.eligible(torch.ones(stats.BIG))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_held_large_summaries_equal_summarize_one(dtype):
     """Large host captures are held too (HostSummaries.take_large, take_sample): the row and the
     sample of summarize_one, bit for bit, across blocks; a tensor whose values are not all
-    finite is left to the exact path (None)."""
+    finite is left to the exact path (None). bfloat16 and float16 as well: the sample is the
+    capture's own values, gathered as bits."""
     g = torch.Generator().manual_seed(3)
     host = HostSummaries(seed=5)
     cases = [torch.randn(stats.BIG + i, generator=g, dtype=dtype) * (i + 1) for i in range(300)]
@@ -325,7 +326,7 @@ def test_held_large_summaries_equal_summarize_one(dtype):
         row, sample = stats.summarize_one(t, f"0/backward/m{i}/0/grad_input.0", 5)
         assert isinstance(held, Held) and held.nbytes == sample.nbytes
         np.testing.assert_array_equal(held.row()[:len(stats.FIELDS)], row[:len(stats.FIELDS)])
-        assert held.sample().numpy().tobytes() == sample.numpy().tobytes()
+        assert held.sample().contiguous().view(torch.uint8).numpy().tobytes() == sample.contiguous().view(torch.uint8).numpy().tobytes()
         again = host.take_sample(t, "1/forward/other/0/output", held)  # the row known, a new key
         assert np.array_equal(again.row(), held.row(), equal_nan=True)
         assert torch.equal(again.sample(), stats.large_sample(t, "1/forward/other/0/output", 5))
@@ -334,7 +335,7 @@ def test_held_large_summaries_equal_summarize_one(dtype):
         held = host.take_large(nc, f"k/{n}")
         row, sample = stats.summarize_one(nc, f"k/{n}", 5)
         np.testing.assert_array_equal(held.row()[:len(stats.FIELDS)], row[:len(stats.FIELDS)])
-        assert held.sample().numpy().tobytes() == sample.numpy().tobytes()
+        assert held.sample().contiguous().view(torch.uint8).numpy().tobytes() == sample.contiguous().view(torch.uint8).numpy().tobytes()
         assert torch.equal(host.sample(nc, f"k/{n}"), stats.large_sample(nc, f"k/{n}", 5))
     bad = torch.randn(stats.BIG, dtype=dtype)
     bad[7] = float("nan")
@@ -402,6 +403,37 @@ def test_stats_mode_holds_host_captures_without_a_tensor_each(tmp_path):
     reader = TraceReader(tmp_path / "t")
     big = [e for e in reader.entries if e["stats"]["numel"] >= stats.BIG]
     assert big and all(reader.tensor(e, "sample").numel() == stats.SAMPLE_SIZE for e in big)
+
+
+def test_a_bfloat16_records_large_host_captures_are_held(tmp_path):
+    """A bfloat16 model's large host captures are held too (a block and an index, the sample's
+    bits gathered into it), and the trace has the statistics and samples of the values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.ReLU(), torch.nn.Linear(300, 4))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(256, 300, dtype=torch.bfloat16)
+    seen: list = []
+    outputs: dict = {}
+    model[0].register_forward_hook(lambda m, i, o: outputs.setdefault("0", o.detach().clone()))
+    with TraceWriter(tmp_path / "t") as w:
+        tracer = Tracer(model, w, mode="stats").attach()
+        real = tracer.capture.flush
+        tracer.capture.flush = lambda: (seen.extend((type(p.tensor), p.entry["key"]) for p in tracer.capture.pending),
+                                        real())[1]
+        model(x).float().square().mean().backward()
+        tracer.step()
+        tracer.detach()
+        w.close({})
+    reader = TraceReader(tmp_path / "t")
+    big = {e["key"] for e in reader.entries if e["stats"]["numel"] >= stats.BIG}
+    assert big and all(kind is Held for kind, key in seen if key in big), seen
+    out = next(e for e in reader.entries if e["key"].endswith("/0/output") and e["module"] == "0")
+    want = outputs["0"]
+    assert out["stats"]["max"] == float(want.max()) and out["stats"]["min"] == float(want.min())
+    assert out["stats"]["mean"] == pytest.approx(float(want.double().mean()), rel=1e-12)
+    sample = reader.tensor(out, "sample")
+    assert sample.dtype == torch.bfloat16
+    assert torch.equal(sample, stats.sample_of(want, out["key"], 0))  # the seeded positions' values
 
 
 def test_a_small_tensor_changed_in_place_after_its_capture_keeps_its_statistics(tmp_path):
