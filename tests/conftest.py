@@ -16,6 +16,14 @@ import torch
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 torch.set_num_threads(1)  # CI has 2 cores; keep records deterministic and cheap
 
+try:  # property tests judge values, not the host's speed: a loaded host made one "too slow"
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("driftcheck", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("driftcheck")
+except ImportError:  # (hypothesis is a dev dependency)
+    pass
+
 BUILTINS = ("mlp", "resnet", "llama", "vit")
 
 
