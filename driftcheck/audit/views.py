@@ -25,8 +25,8 @@ tracer's own captures.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
+import weakref
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from driftcheck import nested
-from driftcheck.audit import fingerprint as fp, writes
+from driftcheck.audit import aliasing, fingerprint as fp, writes
 from driftcheck.gate.report import Finding
 from driftcheck.numerics import dtypes
 from driftcheck.targets import devices
@@ -67,6 +67,7 @@ class ViewAudit(TorchDispatchMode):
         self._counts: dict[tuple[int, str], int] = {}
         self._paused = 0
         self._storage: dict[str, bool] = {}  # device type -> its storage can be inspected
+        self._fresh: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -92,29 +93,34 @@ class ViewAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        kind = _kind(func)
+        kind = aliasing.op_kind(func)
+        if kind is None and not self._paused and func.overloadpacket.__name__ in aliasing.EMPTY:
+            out = func(*args, **kwargs)  # uninitialised memory: its writes are marked ``fresh``
+            if aliasing.strided(out) and self._inspectable((out,)):
+                self._fresh_memory(out)
+            return out
         if self._paused or not self._inspectable(args) or kind is None:
             return func(*args, **kwargs)
         step = self._step_of() if self._step_of is not None else 0
         module = self._module_of()
         if kind == "view":
             out = func(*args, **kwargs)
-            source = next((a for a in args if _strided(a)), None)
+            source = next((a for a in args if aliasing.strided(a)), None)
             outs = out if isinstance(out, (list, tuple)) else [out]
             plain = [nested.fold(a, "", _plain) for a in (*args, *sorted(kwargs.items()))]
             for i, o in enumerate(outs):
-                if _strided(o):
+                if aliasing.strided(o):
                     event = self._event(step, module, func, kind, f"return.{i}", o)
-                    event.update(aliased=_shares(o, source) if source is not None else None,
+                    event.update(aliased=aliasing.shares(o, source) if source is not None else None,
                                  args=plain)
                     if source is not None:
-                        event["input_layout"] = _layout(source)
+                        event["input_layout"] = aliasing.layout(source)
             return out
-        written = [(name, t) for name, t in _written(func, args, kwargs) if _strided(t)]
+        written = [(name, t) for name, t in aliasing.written(func, args, kwargs) if aliasing.strided(t)]
         starts = []
         for name, t in written:
-            base = _base_of(t)
-            aliased = base is not None and _shares(t, base)
+            base = aliasing.base_of(t)
+            aliased = base is not None and aliasing.shares(t, base)
             starts.append((name, t, base if aliased else None,
                            fp.fingerprint(base) if aliased and base is not None else None, aliased))
         out = func(*args, **kwargs)
@@ -127,7 +133,16 @@ class ViewAudit(TorchDispatchMode):
             event["value"] = None
             if aliased and base is not None:  # a view's base: aliased says it is there
                 self._pending.append((event, before, fp.fingerprint(base)))
+                if base.untyped_storage().data_ptr() in self._fresh:
+                    event["fresh"] = True  # into memory an allocation left uninitialised
         return out
+
+    def _fresh_memory(self, t: torch.Tensor) -> None:
+        """``t``'s memory is uninitialised (held weakly: the entry goes with the tensor)."""
+        try:
+            self._fresh[t.untyped_storage().data_ptr()] = t
+        except (RuntimeError, NotImplementedError):  # no storage to name it by
+            pass
 
     def _inspectable(self, args: tuple) -> bool:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -147,7 +162,7 @@ class ViewAudit(TorchDispatchMode):
         index = self._counts.get((step, module), 0)
         self._counts[(step, module)] = index + 1
         event = {"step": step, "module": module, "op": str(func), "kind": kind, "index": index,
-                 "arg": arg, "dtype": str(t.dtype).removeprefix("torch."), **_layout(t)}
+                 "arg": arg, "dtype": str(t.dtype).removeprefix("torch."), **aliasing.layout(t)}
         self._events.append(event)
         return event
 
@@ -269,6 +284,10 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
     if r.get("base_changed") and t.get("base_changed") is False:
         if not (fp.finite(tv) and fp.finite(tb)):
             return None  # uninitialised memory (new_empty) of NaN/Inf bit patterns: unobservable
+        if (r.get("fresh") or t.get("fresh")) and rb and tb and fp.value_error(rb, tb) > tol:
+            # uninitialised memory filled a view at a time: the two bases held other garbage
+            # before this write, and the target's may have held the values written already
+            return None
         return finding("inplace.base_not_updated",
                        "a write through a view changed its base on the reference but left it "
                        "unchanged on the target")
@@ -283,70 +302,6 @@ def _judge(r: dict[str, Any], t: dict[str, Any], tolerance: Any) -> Finding | No
                            f"the base after the write differs by {err:.3g} (relative to its "
                            f"magnitude; tolerance {tol:.3g})", error=err, tolerance=tol)
     return None
-
-
-# Aliases autograd makes for itself (saving tensors for backward, .detach() in hooks): which
-# tensors get saved depends on the dtype path (a bf16 run casts where an fp32 run does not), so
-# they say nothing about the backend's view semantics.
-_AUTOGRAD_ALIASES = frozenset({"detach", "alias", "lift_fresh"})
-
-
-@functools.cache
-def _kind(func: Any) -> str | None:
-    """"view", "inplace", "out" or None, from the op's schema alias annotations."""
-    schema = func._schema
-    if schema.name.split("::")[-1] in _AUTOGRAD_ALIASES:
-        return None
-    writes = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if writes:
-        return "out" if any(a.kwarg_only for a in writes) else "inplace"
-    if any(r.alias_info is not None for r in schema.returns):
-        return "view"
-    return None
-
-
-def _written(func: Any, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
-    out: list[tuple[str, torch.Tensor]] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        if isinstance(value, torch.Tensor):
-            out.append((arg.name, value))
-        elif isinstance(value, (list, tuple)):  # _foreach_*_: one event per list element
-            out.extend((f"{arg.name}.{j}", v) for j, v in enumerate(value)
-                       if isinstance(v, torch.Tensor))
-    return out
-
-
-def _strided(t: Any) -> bool:
-    # Sparse, nested and meta tensors have no storage/strides to compare: not audited.
-    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
-
-
-def _base_of(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor a write to ``t`` must reach: its autograd base, else its whole storage."""
-    if t._is_view() and t._base is not None:
-        return t._base
-    if t.numel() == 0 or t.is_quantized:
-        return None
-    itemsize = t.element_size()
-    whole = t.untyped_storage().nbytes() // itemsize
-    if t.storage_offset() == 0 and t.numel() == whole and t.is_contiguous():
-        return None  # not a view of anything: it is all of its storage
-    # ``.data`` of a view, ``set_``: a partial window on a storage with no autograd base.
-    return t.new_empty(0).set_(t.untyped_storage(), 0, (whole,), (1,))
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, functional)
-        return False
-
-
-def _layout(t: torch.Tensor) -> dict[str, Any]:
-    return {"sizes": list(t.shape), "strides": list(t.stride()), "storage_offset": int(t.storage_offset())}
 
 
 def _layout_of(e: dict[str, Any]) -> dict[str, Any]:
