@@ -13,6 +13,12 @@ import torch
 EMPTY = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 
 
+@functools.cache
+def allocates_uninitialised(func: Any) -> bool:
+    """Whether ``func`` hands out memory it leaves uninitialised (``EMPTY``), once per op."""
+    return func.overloadpacket.__name__ in EMPTY
+
+
 # Aliases autograd makes for itself (saving tensors for backward, .detach() in hooks): which
 # tensors get saved depends on the dtype path (a bf16 run casts where an fp32 run does not), so
 # they say nothing about the backend's view semantics.

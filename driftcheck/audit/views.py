@@ -94,7 +94,7 @@ class ViewAudit(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         kind = aliasing.op_kind(func)
-        if kind is None and not self._paused and func.overloadpacket.__name__ in aliasing.EMPTY:
+        if kind is None and not self._paused and aliasing.allocates_uninitialised(func):
             out = func(*args, **kwargs)  # uninitialised memory: its writes are marked ``fresh``
             if aliasing.strided(out) and self._inspectable((out,)):
                 self._fresh_memory(out)

@@ -41,9 +41,9 @@ def flat_view(t: torch.Tensor) -> np.ndarray:
     return np.asarray(_Memory(t, _NUMPY_OF[t.dtype]))  # the array's base holds the tensor: its memory stays
 
 
-# Narrow floats as the kernels take them: their uint16 bit patterns (numba has no float16
+# Narrow floats, which the kernels take as their uint16 bit patterns (numba has no float16
 # arithmetic on the host, numpy no bfloat16)
-NARROW = {torch.float16: np.uint16, torch.bfloat16: np.uint16}
+NARROW = frozenset({torch.float16, torch.bfloat16})
 
 
 def narrow_view(t: torch.Tensor) -> np.ndarray | None:
@@ -53,7 +53,7 @@ def narrow_view(t: torch.Tensor) -> np.ndarray | None:
     if type(t) is not torch.Tensor or t.dtype not in NARROW or not t.is_cpu or t.is_neg() \
             or not t.is_contiguous() or t.requires_grad or t.numel() == 0:
         return None
-    return np.asarray(_Memory(t, NARROW[t.dtype]))
+    return np.asarray(_Memory(t, np.uint16))
 
 
 class _Memory:
@@ -65,6 +65,12 @@ class _Memory:
         self.tensor = t
         self.__array_interface__ = {"shape": (t.numel(),), "typestr": np.dtype(dtype).str,
                                     "data": (t.data_ptr(), False), "version": 3}
+
+
+def bits_or_values(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's numpy view as the kernels write into it: a narrow float's uint16 bits
+    (``NARROW``), any other dtype's values (``Tensor.numpy``: for the tracer's own blocks)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype in NARROW else t.numpy()
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import torch
 
-from driftcheck.numerics.passes import NARROW, narrow_view
+from driftcheck.numerics.passes import NARROW, bits_or_values, narrow_view
 from driftcheck.numerics.stats import (
     BIG,
     COLUMNS,
@@ -42,9 +42,7 @@ class _Block:
         self.rows.fill(np.nan)  # fp8 columns: NaN, not fp8
         self.columns = self.rows[:, :len(FIELDS)]  # what the kernels fill
         self.samples = mapped_empty((size, SAMPLE_SIZE), dtype)
-        # (bfloat16/float16 samples: their bits, gathered as the kernels read the capture)
-        self.samples_np = self.samples.view(torch.int16).numpy().view(np.uint16) if dtype in NARROW \
-            else self.samples.numpy()
+        self.samples_np = bits_or_values(self.samples)  # (narrow floats: bits, as the capture is read)
         self.used = 0
 
 
@@ -154,9 +152,7 @@ class HostSummaries:
         """``stats.large_sample`` of an ``eligible_large`` tensor, not held (a check's copy)."""
         out = torch.empty(SAMPLE_SIZE, dtype=t.dtype)
         x = self._array(self._contiguous(t.detach()))
-        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32,
-                                         out.view(torch.int16).numpy().view(np.uint16) if t.dtype in NARROW
-                                         else out.numpy())
+        compiled_kernels().gather_sample(x, self.base, zlib.crc32(key.encode()) / 2.0**32, bits_or_values(out))
         return out
 
     def take_sample(self, t: torch.Tensor, key: str, row: Held | np.ndarray) -> Held:
